@@ -1,0 +1,484 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""llama.cpp bound directly: a Model, a Context with one KV cache shared by all sequences, and a
+batch step that decodes and samples every sequence with the GIL released."""
+import os
+from array import array
+
+from cpython cimport array as carray
+from libc.math cimport expf, logf, INFINITY
+from libc.stdint cimport int32_t
+from libc.stdio cimport fputs, stderr
+from libc.stdlib cimport calloc, free
+
+from cllm._llama cimport *
+
+
+class ModelLoadError(RuntimeError):
+    """A model file could not be loaded; the message names the path and the reason."""
+
+
+class DecodeError(RuntimeError):
+    """llama_decode failed; `code` is its return value."""
+
+    def __init__(self, code, message):
+        super().__init__(f"llama_decode returned {code}: {message}")
+        self.code = code
+
+
+class KVCacheFullError(DecodeError):
+    """No room in the KV cache for this batch: the scheduler should preempt and retry."""
+
+
+cdef int _log_threshold = GGML_LOG_LEVEL_WARN
+
+
+cdef void _log_to_stderr(ggml_log_level level, const char * text, void * user_data) noexcept nogil:
+    # llama.cpp logs every tensor at INFO while loading; keep warnings and errors only.
+    if level >= _log_threshold and level != GGML_LOG_LEVEL_CONT:
+        fputs(text, stderr)
+
+
+def set_log_level(str level):
+    """'debug', 'info', 'warn' or 'error': the least severe llama.cpp message printed."""
+    global _log_threshold
+    levels = {"debug": GGML_LOG_LEVEL_DEBUG, "info": GGML_LOG_LEVEL_INFO,
+              "warn": GGML_LOG_LEVEL_WARN, "error": GGML_LOG_LEVEL_ERROR}
+    _log_threshold = levels[level]
+
+
+llama_log_set(_log_to_stderr, NULL)
+llama_backend_init()
+
+
+def system_info():
+    return llama_print_system_info().decode()
+
+
+def supports_gpu_offload():
+    return llama_supports_gpu_offload()
+
+
+cdef _check_gguf_file(str path):
+    """Reject what llama.cpp would only report in its log, with the reason in the exception."""
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: not a regular file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+
+
+cdef class Model:
+    """A loaded GGUF model and its vocabulary."""
+    cdef llama_model * model
+    cdef const llama_vocab * vocab
+    cdef readonly str path
+
+    def __cinit__(self, path, int n_gpu_layers=0, bint repack=False):
+        self.path = os.fspath(path)
+        _check_gguf_file(self.path)
+        cdef llama_model_params params = llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        # llama.cpp's extra CPU buffer types (AMX, repacked weights). Off by default: its AMX
+        # path crashes on Sapphire Rapids machines where the kernel reports AMX (seen here).
+        params.use_extra_bufts = repack
+        cdef bytes c_path = self.path.encode()
+        cdef const char * p = c_path
+        with nogil:
+            self.model = llama_model_load_from_file(p, params)
+        if self.model is NULL:
+            raise ModelLoadError(
+                f"{self.path}: llama.cpp could not load it (truncated, corrupt or unsupported GGUF)")
+        self.vocab = llama_model_get_vocab(self.model)
+
+    def __dealloc__(self):
+        if self.model is not NULL:
+            llama_model_free(self.model)
+
+    @property
+    def n_vocab(self):
+        return llama_vocab_n_tokens(self.vocab)
+
+    @property
+    def n_ctx_train(self):
+        return llama_model_n_ctx_train(self.model)
+
+    @property
+    def n_params(self):
+        return llama_model_n_params(self.model)
+
+    @property
+    def size_bytes(self):
+        return llama_model_size(self.model)
+
+    @property
+    def bos_token(self):
+        return llama_vocab_bos(self.vocab)
+
+    @property
+    def eos_token(self):
+        return llama_vocab_eos(self.vocab)
+
+    @property
+    def eot_token(self):
+        return llama_vocab_eot(self.vocab)
+
+    @property
+    def adds_bos(self):
+        return llama_vocab_get_add_bos(self.vocab)
+
+    @property
+    def description(self):
+        cdef char buf[256]
+        cdef int n = llama_model_desc(self.model, buf, sizeof(buf))
+        return buf[:max(n, 0)].decode("utf-8", "replace")
+
+    @property
+    def chat_template(self):
+        """The GGUF's default chat template (Jinja source), or None."""
+        cdef const char * tmpl = llama_model_chat_template(self.model, NULL)
+        return None if tmpl is NULL else tmpl.decode("utf-8", "replace")
+
+    @property
+    def metadata(self):
+        """Every GGUF key/value pair, values as strings (arrays are summarised by llama.cpp)."""
+        cdef int i, n = llama_model_meta_count(self.model)
+        result = {}
+        for i in range(n):
+            key = _read_meta(self.model, i, True)
+            result[key] = _read_meta(self.model, i, False)
+        return result
+
+    def is_eog(self, int token):
+        """Whether `token` ends generation (EOS, EOT and the model's other end tokens)."""
+        return llama_vocab_is_eog(self.vocab, token)
+
+    def tokenize(self, str text, bint add_special=True, bint parse_special=False):
+        """Token ids of `text`; `add_special` adds BOS where the model wants it,
+        `parse_special` turns special-token text (e.g. '<|im_start|>') into its token."""
+        cdef bytes data = text.encode("utf-8")
+        cdef const char * c_text = data
+        cdef int32_t n_text = len(data)
+        cdef int32_t capacity = n_text + 2
+        cdef carray.array tokens = array("i")
+        cdef int32_t n
+        while True:
+            carray.resize(tokens, capacity)
+            with nogil:
+                n = llama_tokenize(self.vocab, c_text, n_text, <llama_token *> tokens.data.as_ints, capacity,
+                                   add_special, parse_special)
+            if n >= 0:
+                break
+            if n == -2147483648:
+                raise ValueError("text too long to tokenize")
+            capacity = -n
+        return tokens.tolist()[:n]
+
+    def token_to_piece(self, int token, bint special=False):
+        """The bytes of one token: a piece of a multi-byte UTF-8 character may stand alone."""
+        cdef char buf[128]
+        cdef int32_t n = llama_token_to_piece(self.vocab, token, buf, sizeof(buf), 0, special)
+        if n < 0:
+            return self._long_piece(token, -n, special)
+        return buf[:n]
+
+    cdef bytes _long_piece(self, int token, int32_t size, bint special):
+        cdef bytearray out = bytearray(size)
+        cdef char * buf = out
+        llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+        return bytes(out)
+
+    def detokenize(self, tokens, bint special=False):
+        """Text of a token list; bytes that are not valid UTF-8 become U+FFFD."""
+        return b"".join([self.token_to_piece(t, special) for t in tokens]).decode("utf-8", "replace")
+
+
+cdef str _read_meta(llama_model * model, int i, bint key):
+    cdef int32_t size = 256
+    cdef int32_t n
+    cdef bytearray buf
+    while True:
+        buf = bytearray(size)
+        if key:
+            n = llama_model_meta_key_by_index(model, i, buf, size)
+        else:
+            n = llama_model_meta_val_str_by_index(model, i, buf, size)
+        if n < size:
+            return bytes(buf[:max(n, 0)]).decode("utf-8", "replace")
+        size = n + 1
+
+
+
+_FLASH_ATTN = {"auto": LLAMA_FLASH_ATTN_TYPE_AUTO, "on": LLAMA_FLASH_ATTN_TYPE_ENABLED,
+               "off": LLAMA_FLASH_ATTN_TYPE_DISABLED}
+cdef carray.array _INT_ARRAY = array("i")
+cdef carray.array _FLOAT_ARRAY = array("f")
+
+
+cdef class Context:
+    """One llama_context: a KV cache shared by up to `n_seq_max` sequences, one sampler chain per
+    sequence, and `step()`, which decodes one batch and samples every row that asks for a token."""
+    cdef llama_context * ctx
+    cdef llama_batch batch
+    cdef llama_sampler ** chains
+    cdef readonly Model model
+    cdef readonly int n_ctx, n_seq_max, n_batch, n_vocab
+
+    def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
+                  int n_ubatch=512, int n_threads=0, str flash_attn="auto"):
+        if n_seq_max < 1 or n_ctx < 1 or n_batch < 1 or n_ubatch < 1:
+            raise ValueError("n_ctx, n_seq_max, n_batch and n_ubatch must be positive")
+        if flash_attn not in _FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {sorted(_FLASH_ATTN)}")
+        cdef llama_context_params params = llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_seq_max = n_seq_max
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch, n_batch)
+        params.n_threads = n_threads if n_threads > 0 else (os.cpu_count() or 1)
+        params.n_threads_batch = params.n_threads
+        params.flash_attn_type = _FLASH_ATTN[flash_attn]
+        params.kv_unified = True  # one cache for all sequences, so any of them can use any cell
+        params.no_perf = True
+        self.model = model
+        with nogil:
+            self.ctx = llama_init_from_model(model.model, params)
+        if self.ctx is NULL:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, "
+                               f"n_seq_max={n_seq_max}, n_batch={n_batch})")
+        self.n_ctx = llama_n_ctx(self.ctx)
+        self.n_seq_max = llama_n_seq_max(self.ctx)
+        self.n_batch = llama_n_batch(self.ctx)
+        self.n_vocab = model.n_vocab
+        self.batch = llama_batch_init(self.n_batch, 0, 1)
+        self.chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
+        if self.chains is NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cdef int i
+        if self.chains is not NULL:
+            for i in range(self.n_seq_max):
+                if self.chains[i] is not NULL:
+                    llama_sampler_free(self.chains[i])
+            free(self.chains)
+        if self.batch.token is not NULL:
+            llama_batch_free(self.batch)
+        if self.ctx is not NULL:
+            llama_free(self.ctx)
+
+    cdef void _check_seq(self, int seq_id) except *:
+        if seq_id < 0 or seq_id >= self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} outside [0, {self.n_seq_max})")
+
+    def set_sampler(self, int seq_id, float temperature=0.0, int top_k=0, float top_p=1.0,
+                    float min_p=0.0, float repeat_penalty=1.0, float presence_penalty=0.0,
+                    float frequency_penalty=0.0, int penalty_last_n=64, seed=None, history=()):
+        """Sampling for `seq_id` until it is removed. Temperature 0 with no penalty is greedy, an
+        argmax over the logits. `history` (e.g. the prompt) is what the penalties already saw."""
+        self._check_seq(seq_id)
+        self._free_chain(seq_id)
+        cdef bint penalised = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
+        if temperature <= 0.0 and not penalised:
+            return
+        cdef llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params())
+        if penalised:
+            llama_sampler_chain_add(chain, llama_sampler_init_penalties(
+                self.n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
+        if temperature <= 0.0:
+            llama_sampler_chain_add(chain, llama_sampler_init_greedy())
+        else:
+            if top_k > 0:
+                llama_sampler_chain_add(chain, llama_sampler_init_top_k(top_k))
+            if top_p < 1.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_top_p(top_p, 1))
+            if min_p > 0.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_min_p(min_p, 1))
+            llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature))
+            llama_sampler_chain_add(chain, llama_sampler_init_dist(
+                0xFFFFFFFF if seed is None else (<unsigned int> (seed & 0xFFFFFFFF))))
+        if penalised:
+            for token in history[-penalty_last_n:] if penalty_last_n > 0 else history:
+                llama_sampler_accept(chain, token)
+        self.chains[seq_id] = chain
+
+    cdef void _free_chain(self, int seq_id):
+        if self.chains[seq_id] is not NULL:
+            llama_sampler_free(self.chains[seq_id])
+            self.chains[seq_id] = NULL
+
+    def remove_sequence(self, int seq_id):
+        """Free every KV cell of `seq_id` and its sampler, so the id can start a new sequence."""
+        self._check_seq(seq_id)
+        llama_memory_seq_rm(llama_get_memory(self.ctx), seq_id, -1, -1)
+        self._free_chain(seq_id)
+
+    def seq_pos_max(self, int seq_id):
+        """The last position of `seq_id` in the KV cache, -1 when it holds none."""
+        self._check_seq(seq_id)
+        return llama_memory_seq_pos_max(llama_get_memory(self.ctx), seq_id)
+
+    def kv_cells_used(self):
+        """KV cells held by all sequences together."""
+        cdef llama_memory_t mem = llama_get_memory(self.ctx)
+        cdef int seq_id, used = 0
+        cdef llama_pos lo, hi
+        for seq_id in range(self.n_seq_max):
+            hi = llama_memory_seq_pos_max(mem, seq_id)
+            if hi >= 0:
+                lo = llama_memory_seq_pos_min(mem, seq_id)
+                used += hi - lo + 1
+        return used
+
+    def step(self, const int[::1] seq_ids, const int[::1] positions, const int[::1] n_tokens,
+             const int[::1] sample, const int[::1] tokens, const int[::1] top_logprobs=None):
+        """Decode one batch and sample.
+
+        Row r feeds `n_tokens[r]` tokens (taken in order from `tokens`) of sequence `seq_ids[r]`,
+        the first at `positions[r]`. Rows with `sample[r]` get a token sampled from the logits of
+        their last token; the others get -1. With `top_logprobs` (-1: none, k >= 0: the chosen
+        token's log-probability and the k most likely), returns (tokens, Logprobs), else tokens.
+        Raises KVCacheFullError when the batch does not fit the KV cache (nothing is written),
+        DecodeError for any other failure."""
+        cdef Py_ssize_t n_rows = seq_ids.shape[0]
+        if positions.shape[0] != n_rows or n_tokens.shape[0] != n_rows or sample.shape[0] != n_rows:
+            raise ValueError("seq_ids, positions, n_tokens and sample must have one entry per row")
+        if top_logprobs is not None and top_logprobs.shape[0] != n_rows:
+            raise ValueError("top_logprobs must have one entry per row")
+        self._check_rows(seq_ids, n_tokens, tokens)
+        cdef carray.array out = carray.clone(_INT_ARRAY, n_rows, False)
+        cdef int * out_p = out.data.as_ints
+        cdef int32_t rc
+        with nogil:
+            self._fill_batch(seq_ids, positions, n_tokens, sample, tokens)
+            rc = llama_decode(self.ctx, self.batch)
+            if rc == 0:
+                self._sample_rows(seq_ids, n_tokens, sample, out_p)
+        if rc == 1:
+            raise KVCacheFullError(rc, "no room in the KV cache for this batch")
+        if rc != 0:
+            raise DecodeError(rc, "invalid batch" if rc == -1 else "decode failed")
+        if top_logprobs is None:
+            return out
+        return out, self._logprobs(n_tokens, sample, top_logprobs, out)
+
+    cdef void _check_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
+                          const int[::1] tokens) except *:
+        cdef Py_ssize_t r, total = 0
+        for r in range(seq_ids.shape[0]):
+            self._check_seq(seq_ids[r])
+            if n_tokens[r] < 1:
+                raise ValueError(f"row {r} feeds {n_tokens[r]} tokens")
+            total += n_tokens[r]
+        if total != tokens.shape[0]:
+            raise ValueError(f"rows feed {total} tokens, {tokens.shape[0]} given")
+        if total > self.n_batch:
+            raise ValueError(f"{total} tokens exceed the batch size {self.n_batch}")
+        for r in range(total):
+            if tokens[r] < 0 or tokens[r] >= self.n_vocab:
+                raise ValueError(f"token id {tokens[r]} outside the vocabulary [0, {self.n_vocab})")
+
+    cdef void _fill_batch(self, const int[::1] seq_ids, const int[::1] positions,
+                          const int[::1] n_tokens, const int[::1] sample,
+                          const int[::1] tokens) noexcept nogil:
+        cdef Py_ssize_t r, j, i = 0
+        for r in range(seq_ids.shape[0]):
+            for j in range(n_tokens[r]):
+                self.batch.token[i] = tokens[i]
+                self.batch.pos[i] = positions[r] + j
+                self.batch.n_seq_id[i] = 1
+                self.batch.seq_id[i][0] = seq_ids[r]
+                self.batch.logits[i] = sample[r] != 0 and j == n_tokens[r] - 1
+                i += 1
+        self.batch.n_tokens = <int32_t> i
+
+    cdef void _sample_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
+                           const int[::1] sample, int * out) noexcept nogil:
+        cdef Py_ssize_t r
+        cdef int32_t last = -1
+        cdef llama_sampler * chain
+        for r in range(seq_ids.shape[0]):
+            last += n_tokens[r]
+            if not sample[r]:
+                out[r] = -1
+                continue
+            chain = self.chains[seq_ids[r]]
+            if chain is NULL:
+                out[r] = _argmax(llama_get_logits_ith(self.ctx, last), self.n_vocab)
+            else:
+                out[r] = llama_sampler_sample(chain, self.ctx, last)
+
+    cdef object _logprobs(self, const int[::1] n_tokens, const int[::1] sample,
+                          const int[::1] top_logprobs, carray.array chosen):
+        cdef Py_ssize_t r, n_rows = n_tokens.shape[0]
+        cdef int k = 0
+        for r in range(n_rows):
+            k = max(k, top_logprobs[r])
+        cdef Logprobs lp = Logprobs.__new__(Logprobs, n_rows, k)
+        cdef int32_t last = -1
+        with nogil:
+            for r in range(n_rows):
+                last += n_tokens[r]
+                if sample[r] and top_logprobs[r] >= 0:
+                    _fill_logprobs(llama_get_logits_ith(self.ctx, last), self.n_vocab,
+                                   chosen.data.as_ints[r], min(top_logprobs[r], k),
+                                   &lp.chosen.data.as_floats[r],
+                                   &lp.top_ids.data.as_ints[r * k],
+                                   &lp.top_logprobs.data.as_floats[r * k])
+        return lp
+
+
+cdef class Logprobs:
+    """Log-probabilities from one step: per row, the chosen token's and the top `k` tokens'
+    (ids -1 where a row asked for fewer)."""
+    cdef readonly int k
+    cdef readonly carray.array chosen, top_ids, top_logprobs
+
+    def __cinit__(self, Py_ssize_t n_rows, int k):
+        self.k = k
+        self.chosen = carray.clone(_FLOAT_ARRAY, n_rows, True)
+        self.top_ids = array("i", [-1]) * (n_rows * k)
+        self.top_logprobs = carray.clone(_FLOAT_ARRAY, n_rows * k, True)
+
+    def row(self, Py_ssize_t r):
+        """(chosen token's log-probability, [(token id, log-probability), ...] best first)."""
+        top = [(self.top_ids[r * self.k + i], self.top_logprobs[r * self.k + i])
+               for i in range(self.k) if self.top_ids[r * self.k + i] >= 0]
+        return self.chosen[r], top
+
+
+cdef int _argmax(const float * logits, int n) noexcept nogil:
+    cdef int i, best = 0
+    cdef float best_value = logits[0]
+    for i in range(1, n):
+        if logits[i] > best_value:
+            best_value = logits[i]
+            best = i
+    return best
+
+
+cdef void _fill_logprobs(const float * logits, int n, int chosen, int k, float * chosen_out,
+                         int * top_ids, float * top_lps) noexcept nogil:
+    """Log-softmax of the raw logits: the chosen token's value and the k largest, best first."""
+    cdef int i, j
+    cdef float max_logit = logits[_argmax(logits, n)]
+    cdef double total = 0.0
+    for i in range(n):
+        total += expf(logits[i] - max_logit)
+    cdef float log_norm = max_logit + logf(<float> total)
+    chosen_out[0] = logits[chosen] - log_norm
+    for j in range(k):
+        top_ids[j] = -1
+        top_lps[j] = -INFINITY
+    for i in range(n):  # insertion into the k best seen so far; k is small (<= 20)
+        if k == 0 or logits[i] - log_norm <= top_lps[k - 1]:
+            continue
+        j = k - 1
+        while j > 0 and top_lps[j - 1] < logits[i] - log_norm:
+            top_ids[j] = top_ids[j - 1]
+            top_lps[j] = top_lps[j - 1]
+            j -= 1
+        top_ids[j] = i
+        top_lps[j] = logits[i] - log_norm
