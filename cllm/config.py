@@ -1,0 +1,98 @@
+"""Configuration dataclasses: what a request asks for, how the engine and the server run.
+
+Values are checked here, with ValueError naming the field, so every layer can trust them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_TOP_LOGPROBS = 20
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not (lo <= value <= hi) or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"{name} must be between {lo} and {hi}, got {value}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is sampled and when it stops. temperature 0 is greedy."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("top_k", self.top_k, 0, 1 << 20)
+        _check_range("repeat_penalty", self.repeat_penalty, 0.0, 100.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.repeat_penalty == 0.0:
+            raise ValueError("repeat_penalty must be greater than 0")
+        if self.seed is not None:
+            _check_range("seed", self.seed, -(1 << 63), (1 << 64) - 1)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_LENGTH:
+                raise ValueError(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters")
+        if self.logprobs is not None:
+            _check_range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the model runs: context, parallel sequences, batch, threads, GPU."""
+    model: str = "smollm2-135m-instruct"
+    n_ctx: int = 8192
+    n_parallel: int = 32
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 0  # 0: all cores
+    n_gpu_layers: int = -1  # -1: every layer the GPU build can take
+    flash_attn: str = "auto"
+    max_queue: int = 1024
+    request_timeout: float = 600.0  # seconds from arrival to the last token
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_parallel", "n_batch", "n_ubatch", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_parallel > 256:
+            raise ValueError("n_parallel must be at most 256 (llama.cpp's sequence limit)")
+        if self.flash_attn not in ("auto", "on", "off"):
+            raise ValueError(f"flash_attn must be auto, on or off, got {self.flash_attn!r}")
+        if self.request_timeout <= 0:
+            raise ValueError("request_timeout must be positive")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Where and how the HTTP server listens."""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16  # completions per request ("n")
+    shutdown_grace: float = 30.0
+    log_requests: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig)

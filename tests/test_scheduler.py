@@ -1,0 +1,186 @@
+"""The scheduler alone: token counts and KV capacity, no model."""
+import pytest
+
+from cllm.config import SamplingParams
+from cllm.scheduler import QueueFullError, Scheduler
+from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT, Sequence, SequenceStatus
+
+EOS = 2
+
+
+def make_seq(n_prompt, max_tokens=16, name=None, deadline=None, ignore_eos=False):
+    return Sequence(name or f"r{n_prompt}", list(range(10, 10 + n_prompt)),
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                    arrival_time=0.0, deadline=deadline)
+
+
+def make_scheduler(max_seqs=8, budget=64, kv=4096, max_queue=100):
+    return Scheduler(max_seqs=max_seqs, token_budget=budget, kv_capacity=kv, max_queue=max_queue,
+                     eog_tokens=frozenset({EOS}))
+
+
+def run_step(sched, now=0.0, token=7):
+    """One step as the engine runs it: schedule, then a token for every sampling chunk."""
+    out = sched.schedule(now)
+    sampled = [token if c.samples else -1 for c in out.chunks]
+    sched.postprocess(out, sampled, now)
+    return out
+
+
+def test_budget_is_never_exceeded_and_decodes_come_first():
+    sched = make_scheduler(max_seqs=16, budget=32)
+    for i in range(12):
+        sched.add(make_seq(20, max_tokens=50, name=f"s{i}"))
+    for step in range(40):
+        out = run_step(sched, now=step)
+        assert out.num_tokens <= 32
+        lengths = [c.length for c in out.chunks]
+        n_decode = sum(1 for c in out.chunks if c.length == 1 and c.seq.num_prompt_tokens < c.seq.num_tokens)
+        assert lengths[:n_decode] == [1] * n_decode  # decode rows lead the batch
+
+
+def test_long_prompt_is_chunked_while_decodes_get_a_token_every_step():
+    sched = make_scheduler(max_seqs=16, budget=256, kv=8192)
+    decoders = [make_seq(8, max_tokens=1000, name=f"d{i}") for i in range(8)]
+    for seq in decoders:
+        sched.add(seq)
+    run_step(sched)  # prefill the 8 short prompts
+    long_prompt = make_seq(4000, max_tokens=4, name="long")
+    sched.add(long_prompt)
+    steps = 0
+    while long_prompt.num_output_tokens == 0:
+        before = [s.num_output_tokens for s in decoders]
+        out = run_step(sched, now=steps)
+        steps += 1
+        assert [s.num_output_tokens for s in decoders] == [b + 1 for b in before]
+        assert out.num_tokens <= 256
+    assert steps == -(-4000 // (256 - 8))  # chunks fill what the decodes leave of the budget
+    assert long_prompt.num_computed_tokens == 4000
+
+
+def test_fifo_admission_by_free_seq_ids():
+    sched = make_scheduler(max_seqs=2, budget=512)
+    seqs = [make_seq(4, max_tokens=3, name=f"s{i}") for i in range(5)]
+    for seq in seqs:
+        sched.add(seq)
+    admitted = []
+    for step in range(30):
+        out = sched.schedule(step)
+        admitted += [s.request_id for s in out.started]
+        assert len(sched.running) <= 2
+        sched.postprocess(out, [7 if c.samples else -1 for c in out.chunks], step)
+    assert admitted == [f"s{i}" for i in range(5)]
+    assert all(s.finish_reason == FINISH_LENGTH and s.num_output_tokens == 3 for s in seqs)
+    assert sorted(sched.free_seq_ids) == [0, 1]
+
+
+def test_queue_full_is_reported():
+    sched = make_scheduler(max_queue=3)
+    for i in range(3):
+        sched.add(make_seq(4, name=f"s{i}"))
+    with pytest.raises(QueueFullError):
+        sched.add(make_seq(4, name="s3"))
+
+
+def test_prompt_that_fills_the_context_is_refused():
+    sched = make_scheduler(kv=100)
+    with pytest.raises(ValueError):
+        sched.add(make_seq(100))
+    sched.add(make_seq(99))
+
+
+def test_eos_and_max_tokens_end_a_sequence():
+    sched = make_scheduler()
+    eos_seq, ignoring = make_seq(4, max_tokens=10, name="a"), make_seq(4, max_tokens=3, name="b", ignore_eos=True)
+    sched.add(eos_seq)
+    sched.add(ignoring)
+    run_step(sched, token=EOS)
+    assert eos_seq.finish_reason == FINISH_STOP and eos_seq.output_token_ids == [EOS]
+    run_step(sched, token=EOS)
+    run_step(sched, token=EOS)
+    assert ignoring.finish_reason == FINISH_LENGTH and ignoring.num_output_tokens == 3
+
+
+def test_preemption_and_recompute_under_a_tiny_kv_cache():
+    kv = 64
+    sched = make_scheduler(max_seqs=4, budget=64, kv=kv)
+    seqs = [make_seq(10, max_tokens=30, name=f"s{i}", ignore_eos=True) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    released = []
+    for step in range(400):
+        out = run_step(sched, now=step, token=5)
+        released += out.released
+        assert sched.kv_used <= kv
+        assert sum(s.num_computed_tokens for s in sched.running) == sched.kv_used
+        if all(s.is_finished for s in seqs):
+            break
+    assert sched.num_preemptions > 0
+    assert all(s.finish_reason == FINISH_LENGTH and s.num_output_tokens == 30 for s in seqs)
+    assert any(s.num_preemptions for s in seqs)
+    assert sorted(sched.free_seq_ids) == [0, 1, 2, 3] and sched.kv_used == 0
+
+
+def test_preempted_sequence_recomputes_prompt_and_output():
+    sched = make_scheduler(max_seqs=2, budget=64, kv=64)
+    seq = make_seq(10, max_tokens=30, name="a")
+    sched.add(seq)
+    for step in range(3):
+        run_step(sched, now=step)
+    assert sched.preempt_newest(3.0) is seq
+    assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
+    out = sched.schedule(4.0)
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.length, chunk.samples) == (0, 13, True)
+    assert chunk.seq.token_ids(0, 13) == seq.prompt_token_ids + [7, 7, 7]
+
+
+def test_abort_frees_exactly_once():
+    sched = make_scheduler(max_seqs=2)
+    running, waiting = make_seq(4, name="run"), make_seq(4, name="wait")
+    sched.add(running)
+    run_step(sched)
+    sched.add(waiting)
+    seq_id = running.seq_id
+    assert sched.finish(running, FINISH_ABORT, 1.0)
+    assert not sched.finish(running, FINISH_ABORT, 1.0)
+    assert sched.finish(waiting, FINISH_ABORT, 1.0)
+    assert sched.schedule(2.0).released == [seq_id]
+    assert sched.schedule(3.0).released == []
+    assert sorted(sched.free_seq_ids) == [0, 1] and sched.kv_used == 0
+    assert not sched.has_work
+
+
+def test_aborted_while_decoding_is_not_counted():
+    sched = make_scheduler()
+    seq = make_seq(4)
+    sched.add(seq)
+    out = sched.schedule(0.0)
+    sched.finish(seq, FINISH_ABORT, 0.5)
+    assert sched.postprocess(out, [7], 1.0) == []
+    assert seq.output_token_ids == [] and sched.kv_used == 0
+
+
+def test_deadline_times_out_running_and_waiting():
+    sched = make_scheduler(max_seqs=1)
+    first, second = make_seq(4, name="a", deadline=5.0), make_seq(4, name="b", deadline=5.0)
+    sched.add(first)
+    sched.add(second)
+    run_step(sched, now=1.0)
+    out = sched.schedule(6.0)
+    assert out.chunks == []
+    assert first.finish_reason == second.finish_reason == FINISH_TIMEOUT
+    assert out.released == [0] and sched.free_seq_ids == [0]
+
+
+def test_thousand_sequences_leave_nothing_behind():
+    sched = make_scheduler(max_seqs=8, budget=64, kv=512, max_queue=1000)
+    for i in range(1000):
+        sched.add(make_seq(1 + i % 13, max_tokens=1 + i % 5, name=f"s{i}"))
+    released = 0
+    for step in range(10_000):
+        released += len(run_step(sched, now=step).released)
+        if not sched.has_work:
+            break
+    assert released == 1000
+    assert sorted(sched.free_seq_ids) == list(range(8)) and sched.kv_used == 0
