@@ -1,0 +1,369 @@
+"""Request schemas for the HTTP API: JSON bodies checked into dataclasses, and chat templates.
+
+Every problem with a request becomes an APIError naming the field, never another exception, so
+the server can answer 400 (or 413) with an OpenAI-shaped body. Unknown fields are ignored: OpenAI
+clients send extras we do not use. A field sent as null counts as absent."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from cllm.config import MAX_TOP_LOGPROBS, SamplingParams
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_TOKEN_ID = (1 << 31) - 1  # llama_token is int32
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions and /generate
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP response with an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code,
+                          "param": self.param}}
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """POST /v1/completions."""
+    model: str | None
+    prompt: str | list[int]  # one prompt: text, or token ids
+    n: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    echo: bool
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """POST /v1/chat/completions. Each message is {"role", "content": str}."""
+    model: str | None
+    messages: list[dict]
+    n: int
+    stream: bool
+    include_usage: bool
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """POST /generate, the original API."""
+    prompt: str
+    stream: bool
+    sampling: SamplingParams
+
+
+def _invalid(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ---- JSON body and typed fields ----
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # "1e400" parses to inf
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def parse_json_body(raw: bytes, max_bytes: int) -> dict:
+    """The request body as a JSON object: 413 when too large, 400 when not a JSON object."""
+    if len(raw) > max_bytes:
+        raise APIError(413, f"request body is {len(raw)} bytes, the limit is {max_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and huge ints
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+def _json_type(value: object) -> str:
+    for kind, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"),
+                       (list, "array"), (dict, "object")):
+        if isinstance(value, kind):
+            return name
+    return "null"
+
+
+_KINDS = {"an integer": int, "a number": (int, float), "a boolean": bool, "a string": str,
+          "an object": dict}
+
+
+def _field(body: dict, name: str, kind: str, default=None):
+    """body[name] if it has the JSON type `kind`, `default` when absent or null.
+    bool is a subclass of int in Python, but true is never a number in JSON."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, _KINDS[kind]) or (isinstance(value, bool) and kind != "a boolean"):
+        raise _invalid(name, f"{name} must be {kind}, got {_json_type(value)}")
+    if kind == "a number":
+        return _to_float(name, value)
+    return value
+
+
+def _to_float(name: str, value: int | float) -> float:
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond the float range
+        result = math.inf
+    if not math.isfinite(result):
+        raise _invalid(name, f"{name} must be a finite number")
+    return result
+
+
+def _count(body: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
+    value = _field(body, name, "an integer", default)
+    if value is not None and not lo <= value <= hi:
+        raise _invalid(name, f"{name} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise _invalid("stop", "stop must be a string or an array of strings")
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
+    stream = _field(body, "stream", "a boolean", False)
+    options = _field(body, "stream_options", "an object", {})
+    return stream, stream and _field(options, "include_usage", "a boolean", False)
+
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__slots__)
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The sampling fields shared by every endpoint; SamplingParams checks the ranges."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_field(body, "temperature", "a number", 1.0),
+            top_p=_field(body, "top_p", "a number", 1.0),
+            top_k=_field(body, "top_k", "an integer", 0),
+            min_p=_field(body, "min_p", "a number", 0.0),
+            repeat_penalty=_field(body, "repeat_penalty", "a number", 1.0),
+            presence_penalty=_field(body, "presence_penalty", "a number", 0.0),
+            frequency_penalty=_field(body, "frequency_penalty", "a number", 0.0),
+            seed=_field(body, "seed", "an integer"),
+            stop=_stop(body.get("stop")),
+            ignore_eos=_field(body, "ignore_eos", "a boolean", False),
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        # SamplingParams' messages name the field ("top_p must be between ..."): reuse that name.
+        words = str(e).replace(",", " ").split()
+        raise _invalid(next((w for w in words if w in _SAMPLING_FIELDS), None), str(e)) from None
+
+
+# ---- endpoints ----
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+
+
+def _prompt(value: object) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # OpenAI's batch form holding a single prompt
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value:
+        if all(_is_token(t) for t in value):
+            return value
+        if any(isinstance(p, (str, list)) for p in value):
+            raise _invalid("prompt", "prompt: one prompt per request, use n for several")
+        raise _invalid("prompt", f"prompt token ids must be integers from 0 to {MAX_TOKEN_ID}")
+    raise _invalid("prompt", "prompt must be a non-empty string or array of token ids")
+
+
+def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
+    prompt = _prompt(body.get("prompt"))
+    echo = _field(body, "echo", "a boolean", False)
+    if echo:
+        raise _invalid("echo", "echo is not supported")
+    max_tokens = _count(body, "max_tokens", 1, max_tokens_limit,
+                        min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
+    logprobs = _count(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+    stream, include_usage = _stream(body)
+    return CompletionRequest(
+        model=_field(body, "model", "a string"), prompt=prompt,
+        n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
+        echo=echo, sampling=_sampling(body, max_tokens, logprobs))
+
+
+def _content(where: str, role: str, content: object) -> str:
+    """A message's content as text: text parts are joined with newlines (as vLLM does)."""
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":  # an assistant turn that only called tools
+        return ""
+    if not isinstance(content, list):
+        raise _invalid("messages", f"{where}.content must be a string or an array of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+        if not isinstance(text, str):
+            raise _invalid("messages", f"{where}.content[{j}]: only text parts"
+                           ' {"type": "text", "text": "..."} are supported')
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _messages(value: object) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise _invalid("messages", "messages must be a non-empty array")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _invalid("messages", f"{where} must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise _invalid("messages", f"{where}.role must be one of {', '.join(ROLES)}")
+        content = _content(where, role, message.get("content"))
+        # OpenAI's "developer" is its newer name for "system", which chat templates know.
+        messages.append({"role": "system" if role == "developer" else role, "content": content})
+    return messages
+
+
+def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
+    """Without max_tokens (or max_completion_tokens, its newer name) a reply may run until the
+    context is full: max_tokens_limit."""
+    messages = _messages(body.get("messages"))
+    max_tokens = _count(body, "max_completion_tokens", 1, max_tokens_limit, None)
+    if max_tokens is None:
+        max_tokens = _count(body, "max_tokens", 1, max_tokens_limit, max_tokens_limit)
+    want_logprobs = _field(body, "logprobs", "a boolean", False)
+    top = _count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    if top and not want_logprobs:
+        raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+    stream, include_usage = _stream(body)
+    return ChatRequest(
+        model=_field(body, "model", "a string"), messages=messages,
+        n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
+        sampling=_sampling(body, max_tokens, top if want_logprobs else None))
+
+
+def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
+    """The original API: {"prompt", "max_tokens", "temperature", "top_p", "top_k", "stream"}, plus
+    seed, stop, ignore_eos, min_p, repeat_penalty and the penalties. Defaults: max_tokens 16,
+    temperature 1.0, top_p 1.0, top_k 0 (off)."""
+    prompt = _field(body, "prompt", "a string")
+    if not prompt:
+        raise _invalid("prompt", "prompt must be a non-empty string")
+    max_tokens = _count(body, "max_tokens", 1, max_tokens_limit,
+                        min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
+    return GenerateRequest(prompt=prompt, stream=_field(body, "stream", "a boolean", False),
+                           sampling=_sampling(body, max_tokens, None))
+
+
+def parse_tokenize(body: dict) -> tuple[str, bool]:
+    """llama-server's /tokenize: {"content": str, "add_special": bool (default false)}."""
+    content = _field(body, "content", "a string")
+    if content is None:
+        raise _invalid("content", "content is required")
+    return content, _field(body, "add_special", "a boolean", False)
+
+
+def parse_detokenize(body: dict) -> list[int]:
+    """llama-server's /detokenize: {"tokens": [int, ...]}."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token(t) for t in tokens):
+        raise _invalid("tokens", f"tokens must be an array of integers from 0 to {MAX_TOKEN_ID}")
+    return tokens
+
+
+# ---- chat templates ----
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox turns an unsafe attribute (``''.__class__``) into an undefined value that
+    prints as nothing; fail at once instead, so probing a template is an error, not silence."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise SecurityError(f"access to attribute {attribute!r} of a "
+                            f"{type(obj).__name__!r} object is unsafe")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)  # Hugging Face's convention for template-side checks
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; prompts need the plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+# Everything a template can fail with at render time; none of it is a server bug.
+_RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError,
+                  AttributeError, RecursionError)
+
+
+class ChatTemplate:
+    """A GGUF chat template (Jinja source) compiled once in a sandboxed environment.
+    With no source, ChatML. A template that does not compile raises ValueError."""
+
+    def __init__(self, source: str | None, *, bos_token: str, eos_token: str) -> None:
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+                       extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        try:
+            self._template = env.from_string(CHATML_TEMPLATE if source is None else source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"invalid chat template (line {e.lineno}): {e.message}") from None
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token, eos_token=self._eos_token)
+        except _RENDER_ERRORS as e:
+            raise APIError(400, f"chat template error: {e}") from None

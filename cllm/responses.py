@@ -1,0 +1,110 @@
+"""Response bodies for the HTTP API, as plain dicts the server serializes.
+
+Shapes follow OpenAI's completions and chat completions (streamed or not) and the original
+/generate API. Nothing here touches the engine or the network."""
+from __future__ import annotations
+
+import json
+
+from cllm.api import APIError
+
+# OpenAI reports impossible tokens as -9999.0; -inf and NaN are not valid JSON.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB  # NaN > x is False: NaN maps too
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---- /v1/completions ----
+
+def completion_logprobs(tokens: list[str], token_logprobs: list[float],
+                        top: list[dict[str, float]], text_offset: list[int]) -> dict:
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp) for lp in token_logprobs],
+            "top_logprobs": [{t: _logprob(lp) for t, lp in d.items()} for d in top],
+            "text_offset": text_offset}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(request_id: str, model: str, created: int, choices: list[dict],
+                        usage: dict | None) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None, logprobs: dict | None) -> dict:
+    # OpenAI streams completions as text_completion objects with one choice each.
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
+
+
+# ---- /v1/chat/completions ----
+
+def _token_logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
+    """entries: (token, logprob, [(top token, top logprob), ...]) per generated token."""
+    return {"content": [{**_token_logprob(token, lp),
+                         "top_logprobs": [_token_logprob(t, tlp) for t, tlp in top]}
+                        for token, lp, top in entries]}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(request_id: str, model: str, created: int, choices: list[dict],
+                  usage: dict | None) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, *, role: bool,
+               text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict:
+    """A streamed piece of choice `index`: the first carries the role, the last the
+    finish_reason with an empty delta."""
+    delta: dict = {"role": "assistant"} if role else {}
+    if text is not None:
+        delta["content"] = text
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}]}
+
+
+def usage_chunk(request_id: str, model: str, created: int, usage: dict, *, chat: bool) -> dict:
+    """The last chunk before [DONE] when stream_options.include_usage: no choices, the usage."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage}
+
+
+# ---- /generate and framing ----
+
+def generate_success(text: str, generated_tokens: int, finish_reason: str) -> dict:
+    return {"success": True, "data": {"text": text, "generated_tokens": generated_tokens,
+                                      "finish_reason": finish_reason}}
+
+
+def generate_failure(error: APIError) -> dict:
+    return {"success": False,
+            "error": {"message": error.message, "type": error.type, "code": error.code}}
+
+
+def sse_event(payload: dict | str) -> bytes:
+    """One server-sent event: a compact JSON payload, or a literal such as "[DONE]"."""
+    data = payload if isinstance(payload, str) else json.dumps(
+        payload, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + data.encode() + b"\n\n"

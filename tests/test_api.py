@@ -1,0 +1,430 @@
+"""Request parsing, validation and chat templates (cllm/api.py): no model needed."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cllm.api import (APIError, ChatRequest, ChatTemplate, CompletionRequest, GenerateRequest,
+                      parse_chat, parse_completion, parse_detokenize, parse_generate,
+                      parse_json_body, parse_tokenize)
+from cllm.config import SamplingParams
+
+LIMITS = {"max_n": 4, "max_tokens_limit": 1000}
+
+
+def completion(**fields):
+    return parse_completion({"prompt": "Hello", **fields}, **LIMITS)
+
+
+def chat(**fields):
+    return parse_chat({"messages": [{"role": "user", "content": "Hi"}], **fields}, **LIMITS)
+
+
+def rejects(call, param, status=400):
+    """call() raises APIError with this status, naming param in the message and in .param."""
+    with pytest.raises(APIError) as info:
+        call()
+    err = info.value
+    assert err.status == status
+    if param is not None:
+        assert err.param == param
+        assert param in err.message
+    return err
+
+
+# ---- APIError ----
+
+def test_api_error_body_is_openai_shaped():
+    err = APIError(429, "queue full", type="rate_limit_error", code="queue_full",
+                   headers={"Retry-After": "1"})
+    assert err.body() == {"error": {"message": "queue full", "type": "rate_limit_error",
+                                    "code": "queue_full", "param": None}}
+    assert err.status == 429 and err.headers == {"Retry-After": "1"} and str(err) == "queue full"
+    assert APIError(400, "x").body()["error"]["type"] == "invalid_request_error"
+
+
+# ---- parse_json_body ----
+
+def test_json_body_parses_an_object():
+    assert parse_json_body(b'{"prompt": "h\xc3\xa9"}', 100) == {"prompt": "hé"}
+
+
+def test_json_body_at_the_limit_passes_and_one_byte_over_is_413():
+    raw = b'{"a": "' + b"x" * 10 + b'"}'
+    assert parse_json_body(raw, len(raw)) == {"a": "x" * 10}
+    err = rejects(lambda: parse_json_body(raw, len(raw) - 1), None, status=413)
+    assert str(len(raw) - 1) in err.message
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b'{"prompt": ', "not valid JSON"),
+    (b"", "not valid JSON"),
+    (b'{"a": NaN}', "not valid JSON"),
+    (b'{"a": -Infinity}', "not valid JSON"),
+    (b'{"a": 1e400}', "not valid JSON"),
+    (b'{"a": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'"text"', "JSON object"),
+    (b"null", "JSON object"),
+])
+def test_json_body_rejections(raw, words):
+    err = rejects(lambda: parse_json_body(raw, 10_000_000), None)
+    assert words in err.message
+
+
+# ---- /v1/completions ----
+
+def test_completion_defaults():
+    req = completion()
+    assert req == CompletionRequest(model=None, prompt="Hello", n=1, stream=False,
+                                    include_usage=False, echo=False, sampling=SamplingParams())
+    assert req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0
+
+
+def test_completion_default_max_tokens_never_exceeds_the_limit():
+    req = parse_completion({"prompt": "x"}, max_n=1, max_tokens_limit=8)
+    assert req.sampling.max_tokens == 8
+
+
+def test_completion_all_fields():
+    req = completion(model="m", n=3, stream=True, stream_options={"include_usage": True},
+                     max_tokens=1000, temperature=0, top_p=0.5, top_k=40, min_p=0.05,
+                     repeat_penalty=1.1, presence_penalty=-2, frequency_penalty=2.0, seed=-1,
+                     stop=["\n", "END"], ignore_eos=True, logprobs=20, echo=False,
+                     user="someone", suffix=None, logit_bias={})
+    assert (req.model, req.n, req.stream, req.include_usage) == ("m", 3, True, True)
+    assert req.sampling == SamplingParams(
+        max_tokens=1000, temperature=0.0, top_p=0.5, top_k=40, min_p=0.05, repeat_penalty=1.1,
+        presence_penalty=-2.0, frequency_penalty=2.0, seed=-1, stop=("\n", "END"),
+        ignore_eos=True, logprobs=20)
+    assert req.sampling.greedy and isinstance(req.sampling.temperature, float)
+
+
+def test_completion_nulls_mean_defaults():
+    req = completion(model=None, n=None, max_tokens=None, temperature=None, stop=None,
+                     logprobs=None, seed=None, stream=None, stream_options=None)
+    assert req == completion()
+
+
+def test_completion_stop_as_one_string():
+    assert completion(stop="###").sampling.stop == ("###",)
+
+
+def test_include_usage_only_when_streaming():
+    assert completion(stream_options={"include_usage": True}).include_usage is False
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("text", "text"),
+    (["text"], "text"),
+    ([1, 2, 3], [1, 2, 3]),
+    ([[0, 7]], [0, 7]),
+    ([2**31 - 1], [2**31 - 1]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    assert completion(prompt=prompt).prompt == expected
+
+
+@pytest.mark.parametrize("prompt", [
+    None, "", [], [""], [[]], 5, True, {"text": "x"},
+    ["a", "b"], [[1], [2]],          # several prompts in one request
+    [1, -1], [1, 2**31], [1, True], [1, 2.0], [1, "2"], [10**30],
+])
+def test_completion_bad_prompts(prompt):
+    body = {} if prompt is None else {"prompt": prompt}
+    rejects(lambda: parse_completion(body, **LIMITS), "prompt")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "10"), ("max_tokens", 10.0), ("max_tokens", True), ("max_tokens", 0),
+    ("max_tokens", -5), ("max_tokens", 1001), ("max_tokens", 10**30),
+    ("n", 0), ("n", -1), ("n", 5), ("n", "2"), ("n", False), ("n", 1.5),
+    ("temperature", True), ("temperature", "0.7"), ("temperature", -0.1), ("temperature", 1e308),
+    ("temperature", 10**30), ("temperature", 10**400), ("temperature", float("inf")),
+    ("temperature", float("nan")),
+    ("top_p", 1.5), ("top_p", [0.5]), ("min_p", -1), ("top_k", -1), ("top_k", 1.5),
+    ("top_k", 10**30), ("repeat_penalty", 0), ("repeat_penalty", False),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("seed", 1.5), ("seed", "42"), ("seed", True), ("seed", 10**30),
+    ("stop", 5), ("stop", ["a", 5]), ("stop", [""]), ("stop", ""), ("stop", {"a": 1}),
+    ("stop", ["s"] * 17), ("stop", ["x" * 257]),
+    ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
+    ("ignore_eos", 1), ("ignore_eos", "true"),
+    ("stream", "yes"), ("stream", 1), ("stream_options", "usage"), ("echo", "no"),
+    ("echo", True), ("model", 5),
+])
+def test_completion_field_rejections(field, value):
+    rejects(lambda: completion(**{field: value}), field)
+
+
+def test_include_usage_must_be_boolean():
+    rejects(lambda: completion(stream=True, stream_options={"include_usage": "yes"}),
+            "include_usage")
+
+
+def test_type_errors_say_what_was_sent():
+    err = rejects(lambda: completion(max_tokens="10"), "max_tokens")
+    assert err.message == "max_tokens must be an integer, got string"
+    err = rejects(lambda: completion(temperature=True), "temperature")
+    assert err.message == "temperature must be a number, got boolean"
+    err = rejects(lambda: completion(n=9), "n")
+    assert err.message == "n must be between 1 and 4, got 9"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=4),
+    max_leaves=12)
+FIELDS = st.sampled_from([
+    "prompt", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "top_k",
+    "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "ignore_eos", "logprobs", "echo", "model", "include_usage", "other"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(FIELDS, JSON | st.integers(0, 50) | st.just([1, 2, 3]), max_size=8))
+def test_any_json_object_parses_or_raises_api_error(body):
+    try:
+        req = parse_completion(body, **LIMITS)
+    except APIError as err:
+        assert err.status == 400 and err.message
+    else:
+        assert isinstance(req, CompletionRequest) and isinstance(req.sampling, SamplingParams)
+
+
+# ---- /v1/chat/completions ----
+
+def test_chat_defaults_run_to_the_limit():
+    req = chat()
+    assert req == ChatRequest(model=None, messages=[{"role": "user", "content": "Hi"}], n=1,
+                              stream=False, include_usage=False,
+                              sampling=SamplingParams(max_tokens=1000))
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens():
+    assert chat(max_tokens=5).sampling.max_tokens == 5
+    assert chat(max_completion_tokens=7, max_tokens=5).sampling.max_tokens == 7
+    rejects(lambda: chat(max_completion_tokens=0), "max_completion_tokens")
+    rejects(lambda: chat(max_completion_tokens=1001), "max_completion_tokens")
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, None),
+    ({"logprobs": False}, None),
+    ({"logprobs": True}, 0),
+    ({"logprobs": True, "top_logprobs": 5}, 5),
+    ({"logprobs": False, "top_logprobs": 0}, None),
+])
+def test_chat_logprobs(fields, expected):
+    assert chat(**fields).sampling.logprobs == expected
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"n": 0}, "n"),
+    ({"temperature": "hot"}, "temperature"),
+])
+def test_chat_field_rejections(fields, param):
+    rejects(lambda: chat(**fields), param)
+
+
+def test_chat_messages_are_normalized():
+    req = parse_chat({"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "content": "42", "tool_call_id": "x"},
+        {"role": "user", "content": [], "name": "bob"},
+    ]}, **LIMITS)
+    assert req.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "42"},
+        {"role": "user", "content": ""},
+    ]
+
+
+@pytest.mark.parametrize("messages, words", [
+    (None, "non-empty array"),
+    ([], "non-empty array"),
+    ({"role": "user", "content": "x"}, "non-empty array"),
+    (["hi"], "messages[0] must be an object"),
+    ([{"content": "x"}], "messages[0].role"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": ["user"], "content": "x"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": "ok"},
+      {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[1].content[0]"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}],
+     "messages[0].content[1]"),
+    ([{"role": "user", "content": ["plain string part"]}], "messages[0].content[0]"),
+])
+def test_chat_bad_messages(messages, words):
+    body = {} if messages is None else {"messages": messages}
+    err = rejects(lambda: parse_chat(body, **LIMITS), "messages")
+    assert words in err.message
+
+
+def test_chat_rejects_image_parts_saying_only_text_is_supported():
+    err = rejects(lambda: chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:"}}]}]), "messages")
+    assert "only text" in err.message
+
+
+# ---- /generate, /tokenize, /detokenize ----
+
+def test_generate_defaults():
+    req = parse_generate({"prompt": "Once"}, max_tokens_limit=1000)
+    assert req == GenerateRequest(prompt="Once", stream=False, sampling=SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=1.0, top_k=0))
+
+
+def test_generate_fields():
+    req = parse_generate({"prompt": "Once", "max_tokens": 50, "temperature": 0.7, "top_p": 0.9,
+                          "top_k": 40, "stream": True, "seed": 7, "stop": ".",
+                          "ignore_eos": True, "min_p": 0.1, "repeat_penalty": 1.2},
+                         max_tokens_limit=1000)
+    assert req.stream is True
+    assert req.sampling == SamplingParams(max_tokens=50, temperature=0.7, top_p=0.9, top_k=40,
+                                          seed=7, stop=(".",), ignore_eos=True, min_p=0.1,
+                                          repeat_penalty=1.2)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1001}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_k": True}, "top_k"),
+    ({"prompt": "x", "stream": "false"}, "stream"),
+])
+def test_generate_rejections(body, param):
+    rejects(lambda: parse_generate(body, max_tokens_limit=1000), param)
+
+
+def test_tokenize():
+    assert parse_tokenize({"content": "Hello"}) == ("Hello", False)
+    assert parse_tokenize({"content": "", "add_special": True}) == ("", True)
+    rejects(lambda: parse_tokenize({}), "content")
+    rejects(lambda: parse_tokenize({"content": [1]}), "content")
+    rejects(lambda: parse_tokenize({"content": "x", "add_special": 1}), "add_special")
+
+
+def test_detokenize():
+    assert parse_detokenize({"tokens": [1, 0, 42]}) == [1, 0, 42]
+    assert parse_detokenize({"tokens": []}) == []
+    for tokens in (None, "1 2", [1, -1], [True], [1.0], [2**31]):
+        rejects(lambda: parse_detokenize({"tokens": tokens}), "tokens")
+
+
+# ---- chat templates ----
+
+# SmolLM2-Instruct's template (ChatML with a default system prompt), as its GGUF carries it.
+SMOLLM2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+# Gemma's template: no system role, strict alternation, checked with raise_exception.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+USER_HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_smollm2_template():
+    template = ChatTemplate(SMOLLM2, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert template.render(USER_HI) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    conversation = [{"role": "system", "content": "Be brief."}, *USER_HI,
+                    {"role": "assistant", "content": "Hello!"}]
+    assert template.render(conversation, add_generation_prompt=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n")
+
+
+def test_chatml_fallback_without_a_template():
+    template = ChatTemplate(None, bos_token="", eos_token="")
+    assert template.render([{"role": "system", "content": "S"}, *USER_HI]) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_gemma_template_and_raise_exception():
+    template = ChatTemplate(GEMMA, bos_token="<bos>", eos_token="<eos>")
+    assert template.render([{"role": "user", "content": " Hi \n"},
+                            {"role": "assistant", "content": "Hello"}, *USER_HI]) == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
+    err = rejects(lambda: template.render([{"role": "system", "content": "S"}, *USER_HI]), None)
+    assert err.message == "chat template error: System role not supported"
+    err = rejects(lambda: template.render(USER_HI * 2), None)
+    assert "Conversation roles must alternate" in err.message
+
+
+def test_template_helpers():
+    source = ("{{ messages | tojson }}|{{ strftime_now('%Y') | length }}"
+              "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+              "{{ m.content }}{% endfor %}")
+    out = ChatTemplate(source, bos_token="", eos_token="").render(
+        [{"role": "user", "content": "<é>"}, {"role": "user", "content": "no"}])
+    assert out == ('[{"role": "user", "content": "<é>"}, {"role": "user", "content": "no"}]'
+                   "|4<é>")
+
+
+@pytest.mark.parametrize("source", [
+    "{{ ''.__class__ }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{{ raise_exception.__globals__ }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{{ messages.append({'role': 'x'}) }}",
+    "{{ messages[0].update({'role': 'x'}) }}",
+    "{{ '{0.__class__.__mro__}'.format(messages) }}",
+])
+def test_sandbox_blocks_python_internals(source):
+    template = ChatTemplate(source, bos_token="", eos_token="")
+    err = rejects(lambda: template.render(USER_HI), None)
+    assert err.message.startswith("chat template error:")
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages[5]['content'] }}",       # undefined
+    "{{ messages[0]['content'] + 1 }}",  # TypeError
+    "{{ 1 / 0 }}",
+    "{{ messages | tojson(separators=5) }}",  # TypeError inside a filter
+])
+def test_runtime_template_errors_are_400(source):
+    rejects(lambda: ChatTemplate(source, bos_token="", eos_token="").render(USER_HI), None)
+
+
+def test_template_that_does_not_compile_raises_value_error():
+    with pytest.raises(ValueError, match="invalid chat template"):
+        ChatTemplate("{% for m in messages %}{{ m }}", bos_token="", eos_token="")
+
+
+def test_rendered_messages_are_not_mutated():
+    messages = [dict(m) for m in USER_HI]
+    ChatTemplate(SMOLLM2, bos_token="", eos_token="").render(messages)
+    assert messages == USER_HI
