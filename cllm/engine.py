@@ -1,0 +1,359 @@
+"""The engine: one thread runs schedule → decode-and-sample → postprocess, step after step, and
+hands each step's new text to the requests' asyncio streams in one call per event loop.
+
+The only importer of cllm._core. Scheduler state is touched by the engine thread alone; other
+threads talk to it through the inbox."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from array import array
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from cllm import _core
+from cllm.config import EngineConfig, SamplingParams
+from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
+from cllm.steptimer import StepTimer
+from cllm.textstream import TextStream
+
+log = logging.getLogger("cllm.engine")
+
+ModelLoadError = _core.ModelLoadError
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room in the context for a generated token."""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one step added to a request. The last one has `finish_reason` and the usage."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict[str, float] | None = None
+
+
+class RequestStream:
+    """An async iterator of Deltas for one sequence. Leaving it early aborts the sequence."""
+
+    def __init__(self, engine: Engine, seq: Sequence) -> None:
+        self.seq = seq
+        self._engine = engine
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        self._done = delta.finish_reason is not None
+        return delta
+
+    def abort(self) -> None:
+        """Cancel the sequence; a no-op once it has finished."""
+        if not self._done:
+            self._engine.abort(self.seq)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.config = config
+        self.model = _core.Model(model_path, n_gpu_layers=config.n_gpu_layers)
+        self.ctx = _core.Context(self.model, n_ctx=config.n_ctx, n_seq_max=config.n_parallel,
+                                 n_batch=config.n_batch, n_ubatch=config.n_ubatch,
+                                 n_threads=config.n_threads, flash_attn=config.flash_attn)
+        eog = frozenset(t for t in range(self.model.n_vocab) if self.model.is_eog(t))
+        self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
+                                   kv_capacity=self.ctx.n_ctx, max_queue=config.max_queue,
+                                   eog_tokens=eog)
+        self.timer = StepTimer()
+        self._live: dict[Sequence, _Live] = {}
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="cllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread ----
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a generation; must be called from a running event loop. Raises
+        PromptTooLongError (the prompt does not fit the context) and RuntimeError (stopping)."""
+        if self._stopping:
+            raise RuntimeError("the engine is shutting down")
+        if not prompt_token_ids:
+            raise ValueError("the prompt has no tokens")
+        if len(prompt_token_ids) >= self.ctx.n_ctx:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context holds {self.ctx.n_ctx}")
+        now = time.monotonic()
+        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
+                       arrival_time=now, deadline=now + self.config.request_timeout)
+        stream = RequestStream(self, seq)
+        self._post(("add", stream))
+        return stream
+
+    def abort(self, seq: Sequence) -> None:
+        self._post(("abort", seq))
+
+    def shutdown(self) -> None:
+        """Finish every sequence with reason 'shutdown' and stop the engine thread."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + sum(1 for m in list(self._inbox) if m[0] == "add")
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv_used / self.scheduler.kv_capacity
+
+    def _post(self, message) -> None:
+        self._inbox.append(message)
+        self._wake.set()
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._drain_inbox()
+                if self.scheduler.has_work:
+                    self._step()
+                else:
+                    self._wake.wait()
+        except BaseException:  # a bug here must not leave requests hanging forever
+            log.exception("engine loop failed")
+            raise
+        finally:
+            self._drain_inbox()
+            self._finish_all(FINISH_SHUTDOWN, "the server is shutting down")
+
+    def _drain_inbox(self) -> None:
+        outbox = _Outbox()
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                self._admit(item, outbox)
+            elif item in self._live:
+                self._end(item, FINISH_ABORT, None, outbox)
+        outbox.deliver()
+
+    def _admit(self, stream: RequestStream, outbox: _Outbox) -> None:
+        seq = stream.seq
+        try:
+            self.scheduler.add(seq)
+        except (QueueFullError, ValueError) as exc:
+            seq.finish_reason = "queue_full" if isinstance(exc, QueueFullError) else FINISH_ERROR
+            outbox.add(stream, Delta("", [], finish_reason=seq.finish_reason, error=str(exc)))
+            return
+        self._live[seq] = _Live(stream, TextStream(seq.sampling.stop),
+                                logprobs=[] if seq.sampling.logprobs is not None else None)
+
+    def _step(self) -> None:
+        timer = self.timer
+        timer.start()
+        now = time.monotonic()
+        out = self.scheduler.schedule(now)
+        outbox = _Outbox()
+        self._report_expired(outbox)  # sequences the scheduler timed out
+        self._prepare_sequences(out)
+        if not out.chunks:
+            outbox.deliver()
+            return
+        rows = _Rows.build(out)
+        timer.lap("schedule")
+        result = self._decode(out, rows, outbox)
+        timer.lap("decode")
+        if result is not None:
+            self._postprocess(out, rows, result, outbox)
+        timer.lap("postprocess")
+        outbox.deliver()
+        timer.lap("handoff")
+        timer.end(len(out.chunks))
+
+    def _prepare_sequences(self, out: SchedulerOutput) -> None:
+        for seq_id in out.released:
+            self.ctx.remove_sequence(seq_id)
+        for seq in out.started:
+            p = seq.sampling
+            self.ctx.set_sampler(
+                seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                min_p=p.min_p, repeat_penalty=p.repeat_penalty,
+                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                seed=p.seed, history=seq.prompt_token_ids + seq.output_token_ids)
+
+    def _decode(self, out: SchedulerOutput, rows: _Rows, outbox: _Outbox):
+        try:
+            return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
+                                 rows.tokens, rows.top_logprobs)
+        except _core.KVCacheFullError:
+            # Nothing was written: give the newest sequence's cells back and plan again.
+            victim = self.scheduler.preempt_newest(time.monotonic())
+            log.info("KV cache full: preempted %s", victim.request_id if victim else None)
+        except _core.DecodeError as exc:
+            log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)
+            for chunk in out.chunks:
+                self._end(chunk.seq, FINISH_ERROR, str(exc), outbox)
+        return None
+
+    def _postprocess(self, out: SchedulerOutput, rows: _Rows, result, outbox: _Outbox) -> None:
+        sampled, logprobs = result if rows.top_logprobs is not None else (result, None)
+        now = time.monotonic()
+        for r, seq in self._with_new_token(out, sampled, now):
+            live = self._live[seq]
+            token = seq.output_token_ids[-1]
+            live.pending.append(token)
+            if logprobs is not None and seq.sampling.logprobs is not None:
+                chosen, top = logprobs.row(r)
+                live.logprobs.append(TokenLogprob(token, chosen, top))
+            text = live.text.feed(self.model.token_to_piece(token))
+            if live.text.stopped:
+                self.scheduler.finish(seq, FINISH_STOP, now)
+            if seq.is_finished:
+                self._send_final(seq, text, outbox)
+            else:
+                outbox.add(live.stream, Delta(text, live.pending, live.take_logprobs()))
+                live.pending = []
+
+    def _with_new_token(self, out: SchedulerOutput, sampled, now: float):
+        """(row, sequence) for each row that got a token; the scheduler accounts for the step."""
+        got = self.scheduler.postprocess(out, sampled, now)
+        if not got:
+            return []
+        rows = {id(chunk.seq): r for r, chunk in enumerate(out.chunks) if chunk.samples}
+        return [(rows[id(seq)], seq) for seq in got]
+
+    def _end(self, seq: Sequence, reason: str, error: str | None, outbox: _Outbox) -> None:
+        self.scheduler.finish(seq, reason, time.monotonic(), error)
+        self._send_final(seq, "", outbox)
+
+    def _send_final(self, seq: Sequence, text: str, outbox: _Outbox) -> None:
+        live = self._live.pop(seq)
+        text += live.text.flush()
+        outbox.add(live.stream, Delta(
+            text, live.pending, live.take_logprobs(), finish_reason=seq.finish_reason,
+            error=seq.error, prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens, timings=_timings(seq)))
+
+    def _report_expired(self, outbox: _Outbox) -> None:
+        for seq in [s for s in self._live if s.is_finished]:
+            self._send_final(seq, "", outbox)
+
+    def _finish_all(self, reason: str, error: str) -> None:
+        outbox = _Outbox()
+        for seq in list(self._live):
+            self._end(seq, reason, error, outbox)
+        for seq_id in self.scheduler.take_released():
+            self.ctx.remove_sequence(seq_id)
+        outbox.deliver()
+
+
+@dataclass(slots=True)
+class _Live:
+    """Engine-thread state of one admitted request."""
+    stream: RequestStream
+    text: TextStream
+    pending: list[int] = field(default_factory=list)  # token ids not yet delivered
+    logprobs: list[TokenLogprob] | None = None
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        taken, self.logprobs = self.logprobs, ([] if self.logprobs is not None else None)
+        return taken
+
+
+class _Rows:
+    """One step's batch as the flat int arrays Context.step takes."""
+    __slots__ = ("seq_ids", "positions", "n_tokens", "sample", "tokens", "top_logprobs")
+
+    @classmethod
+    def build(cls, out: SchedulerOutput) -> _Rows:
+        rows = cls()
+        chunks = out.chunks
+        rows.seq_ids = array("i", [c.seq.seq_id for c in chunks])
+        rows.positions = array("i", [c.start for c in chunks])
+        rows.n_tokens = array("i", [c.length for c in chunks])
+        rows.sample = array("i", [c.samples for c in chunks])
+        tokens = array("i")
+        for c in chunks:
+            if c.length == 1:
+                tokens.append(c.seq.output_token_ids[-1] if c.seq.output_token_ids
+                              else c.seq.prompt_token_ids[c.start])
+            else:
+                tokens.extend(c.seq.token_ids(c.start, c.length))
+        rows.tokens = tokens
+        wanted = [-1 if c.seq.sampling.logprobs is None else c.seq.sampling.logprobs
+                  for c in chunks]
+        rows.top_logprobs = array("i", wanted) if max(wanted) >= 0 else None
+        return rows
+
+
+class _Outbox:
+    """Deltas gathered during one step, handed to each event loop in one call."""
+    __slots__ = ("_by_loop",)
+
+    def __init__(self) -> None:
+        self._by_loop: dict = defaultdict(list)
+
+    def add(self, stream: RequestStream, delta: Delta) -> None:
+        self._by_loop[stream._loop].append((stream._queue, delta))
+
+    def deliver(self) -> None:
+        for loop, items in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop has closed: nobody is listening
+                pass
+        self._by_loop.clear()
+
+
+def _put_all(items) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
+
+
+def _timings(seq: Sequence) -> dict[str, float]:
+    """Seconds: queued (arrival → first scheduled), ttft (arrival → first token), total."""
+    end = seq.finished_time or time.monotonic()
+    timings = {"total": end - seq.arrival_time}
+    if seq.first_scheduled_time is not None:
+        timings["queued"] = seq.first_scheduled_time - seq.arrival_time
+    if seq.first_token_time is not None:
+        timings["ttft"] = seq.first_token_time - seq.arrival_time
+        if seq.num_output_tokens > 1:
+            timings["tpot"] = (seq.last_token_time - seq.first_token_time) / (seq.num_output_tokens - 1)
+    return timings
