@@ -1,0 +1,143 @@
+"""How each API (completions, chat, /generate) turns engine deltas into response bodies."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cllm import responses
+from cllm.api import APIError
+from cllm.engine import Delta, TokenLogprob
+
+
+@dataclass(slots=True)
+class Choice:
+    """Everything one sequence produced, gathered for a non-streamed response."""
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.logprobs += delta.logprobs or ()
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.prompt_tokens = delta.prompt_tokens
+            self.completion_tokens = delta.completion_tokens
+
+
+def usage(choices: list[Choice]) -> dict:
+    """One prompt for all n choices, counted once, as OpenAI does."""
+    return responses.usage_dict(choices[0].prompt_tokens,
+                                sum(c.completion_tokens for c in choices))
+
+
+class Format:
+    """Shared shape of the OpenAI formats; `piece` renders a token id as text."""
+
+    def __init__(self, request_id: str, model: str, created: int, piece: Callable[[int], str],
+                 want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+        self.piece = piece
+        self.want_logprobs = want_logprobs
+
+    def error_body(self, error: APIError) -> dict:
+        return error.body()
+
+    def usage_chunk(self, usage_: dict) -> dict | None:
+        return responses.usage_chunk(self.request_id, self.model, self.created, usage_,
+                                     chat=isinstance(self, ChatFormat))
+
+    def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
+        raise NotImplementedError
+
+    def response(self, choices: list[Choice]) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        tokens = [self.piece(e.token_id) for e in entries]
+        offsets, pos = [], offset
+        for token in tokens:
+            offsets.append(pos)
+            pos += len(token)
+        return responses.completion_logprobs(
+            tokens, [e.logprob for e in entries],
+            [{self.piece(t): lp for t, lp in e.top} for e in entries], offsets)
+
+    def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return []  # a token that only started a multi-byte character or a stop string
+        return [responses.completion_chunk(
+            self.request_id, self.model, self.created, index, delta.text, delta.finish_reason,
+            self._logprobs(delta.logprobs or [], 0))]
+
+    def response(self, choices: list[Choice]) -> dict:
+        return responses.completion_response(
+            self.request_id, self.model, self.created,
+            [responses.completion_choice(i, c.text, c.finish_reason, self._logprobs(c.logprobs, 0))
+             for i, c in enumerate(choices)], usage(choices))
+
+
+class ChatFormat(Format):
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return responses.chat_logprobs(
+            [(self.piece(e.token_id), e.logprob, [(self.piece(t), lp) for t, lp in e.top])
+             for e in entries])
+
+    def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
+        out = []
+        if first:
+            out.append(responses.chat_chunk(self.request_id, self.model, self.created, index,
+                                            role=True, text="", finish_reason=None, logprobs=None))
+        if delta.text or delta.logprobs:
+            out.append(responses.chat_chunk(
+                self.request_id, self.model, self.created, index, role=False, text=delta.text,
+                finish_reason=None, logprobs=self._logprobs(delta.logprobs or [])))
+        if delta.finish_reason is not None:
+            out.append(responses.chat_chunk(self.request_id, self.model, self.created, index,
+                                            role=False, text=None,
+                                            finish_reason=delta.finish_reason, logprobs=None))
+        return out
+
+    def response(self, choices: list[Choice]) -> dict:
+        return responses.chat_response(
+            self.request_id, self.model, self.created,
+            [responses.chat_choice(i, c.text, c.finish_reason, self._logprobs(c.logprobs))
+             for i, c in enumerate(choices)], usage(choices))
+
+
+class GenerateFormat(Format):
+    """The original API: {"success", "data": {"text", "generated_tokens", "finish_reason"}}.
+    Streamed, each event carries the new text and the count so far."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._generated = 0
+
+    error_body_of = staticmethod(responses.generate_failure)
+
+    def error_body(self, error: APIError) -> dict:
+        return responses.generate_failure(error)
+
+    def usage_chunk(self, usage_: dict) -> dict | None:
+        return None
+
+    def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
+        self._generated += len(delta.token_ids)
+        if not delta.text and delta.finish_reason is None:
+            return []
+        return [responses.generate_success(delta.text, self._generated, delta.finish_reason)]
+
+    def response(self, choices: list[Choice]) -> dict:
+        (choice,) = choices
+        return responses.generate_success(choice.text, choice.completion_tokens,
+                                          choice.finish_reason)

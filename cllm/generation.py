@@ -1,0 +1,128 @@
+"""Serving one HTTP request's n engine streams: merged, collected or streamed as SSE, with every
+failure turned into a stated error and every stream aborted if the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from cllm import responses
+from cllm.api import APIError
+from cllm.engine import Delta, RequestStream
+from cllm.formats import Choice, Format, usage
+from cllm.sequence import FINISH_ERROR, FINISH_LENGTH, FINISH_SHUTDOWN, FINISH_STOP, FINISH_TIMEOUT
+
+log = logging.getLogger("cllm.server")
+
+# Reasons a sequence ends without a usable result, as HTTP errors.
+_FAILURES = {
+    "queue_full": (429, "rate_limit_exceeded", "server_overloaded", {"Retry-After": "1"}),
+    FINISH_TIMEOUT: (408, "timeout", "request_timeout", {}),
+    FINISH_SHUTDOWN: (503, "server_error", "shutting_down", {}),
+    FINISH_ERROR: (500, "server_error", "decode_failed", {}),
+}
+
+
+def failure(delta: Delta) -> APIError | None:
+    """The error a final delta stands for, or None if it ended normally."""
+    if delta.finish_reason in (FINISH_STOP, FINISH_LENGTH, None):
+        return None
+    status, type_, code, headers = _FAILURES.get(delta.finish_reason,
+                                                 (500, "server_error", delta.finish_reason, {}))
+    message = delta.error or f"the request ended: {delta.finish_reason}"
+    return APIError(status, message, type=type_, code=code, headers=headers)
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from all streams as they arrive; aborts the rest when left early."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for delta in stream:
+            queue.put_nowait((index, delta))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, delta = await queue.get()
+            remaining -= delta.finish_reason is not None
+            yield index, delta
+    finally:
+        for stream in streams:
+            stream.abort()
+        for task in tasks:
+            task.cancel()
+
+
+class Generation:
+    """n streams answering one request. `on_sequence_end` sees each final delta (metrics, logs)."""
+
+    def __init__(self, streams: list[RequestStream], fmt: Format,
+                 on_sequence_end: Callable[[Delta, APIError | None], None]) -> None:
+        self.streams = streams
+        self.fmt = fmt
+        self.on_sequence_end = on_sequence_end
+        self._merged = merge(streams)
+        self._first: tuple[int, Delta] | None = None
+
+    async def first_event(self) -> None:
+        """Wait for the first delta, so an early failure (queue full, timeout) can still be
+        answered with its own status instead of a 200 stream."""
+        self._first = index, delta = await anext(self._merged)
+        error = failure(delta) if delta.finish_reason is not None else None
+        if error is not None:
+            self.on_sequence_end(delta, error)
+            await self.close()
+            raise error
+
+    async def collect(self) -> dict:
+        choices = [Choice() for _ in self.streams]
+        try:
+            async for index, delta in self._events():
+                choices[index].add(delta)
+                error = self._end_of(index, delta)
+                if error is not None:
+                    raise error
+        finally:
+            await self.close()
+        return self.fmt.response(choices)
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE body: chunks as they come, a usage chunk if asked, then [DONE]."""
+        choices = [Choice() for _ in self.streams]
+        started = set()
+        try:
+            async for index, delta in self._events():
+                choices[index].add(delta)
+                error = self._end_of(index, delta)
+                if error is not None:
+                    yield responses.sse_event(self.fmt.error_body(error))
+                    break
+                for chunk in self.fmt.chunks(index, delta, index not in started):
+                    yield responses.sse_event(chunk)
+                started.add(index)
+            else:
+                usage_chunk = self.fmt.usage_chunk(usage(choices)) if include_usage else None
+                if usage_chunk is not None:
+                    yield responses.sse_event(usage_chunk)
+            yield responses.sse_event("[DONE]")
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self._merged.aclose()
+
+    async def _events(self) -> AsyncIterator[tuple[int, Delta]]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for item in self._merged:
+            yield item
+
+    def _end_of(self, index: int, delta: Delta) -> APIError | None:
+        if delta.finish_reason is None:
+            return None
+        error = failure(delta)
+        self.on_sequence_end(delta, error)
+        return error

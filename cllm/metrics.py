@@ -1,0 +1,63 @@
+"""Prometheus metrics: one registry per app, gauges read from the engine when scraped."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from cllm.engine import Delta, Engine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("cllm_requests_running", "Sequences holding a seq id", registry=r)
+        self.waiting = Gauge("cllm_requests_waiting", "Sequences queued for a seq id", registry=r)
+        self.kv_usage = Gauge("cllm_kv_cache_usage_ratio", "Share of KV cells in use", registry=r)
+        self.preemptions = Gauge("cllm_preemptions_total",
+                                 "Sequences preempted for lack of KV cells", registry=r)
+        self.prompt_tokens = Counter("cllm_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("cllm_generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter("cllm_request_success", "Finished requests", ["finish_reason"],
+                               registry=r)
+        self.failure = Counter("cllm_request_failure", "Failed requests by HTTP status",
+                               ["code"], registry=r)
+        self.ttft = Histogram("cllm_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("cllm_inter_token_latency_seconds", "Mean gap between tokens",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def watch(self, engine: Engine) -> None:
+        """Read the engine's live state on every scrape."""
+        self.running.set_function(lambda: engine.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.kv_usage.set_function(lambda: engine.kv_usage)
+        self.preemptions.set_function(lambda: engine.scheduler.num_preemptions)
+
+    def record_sequence(self, final: Delta) -> None:
+        """Account for one sequence from its last delta."""
+        self.prompt_tokens.inc(final.prompt_tokens)
+        self.generation_tokens.inc(final.completion_tokens)
+        timings = final.timings or {}
+        if "ttft" in timings:
+            self.ttft.observe(timings["ttft"])
+        if "tpot" in timings:
+            self.itl.observe(timings["tpot"])
+        if "total" in timings:
+            self.e2e.observe(timings["total"])
+
+    def record_outcome(self, finish_reason: str | None, status: int | None) -> None:
+        if status is None:
+            self.success.labels(finish_reason=finish_reason).inc()
+        else:
+            self.failure.labels(code=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

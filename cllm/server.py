@@ -1,0 +1,314 @@
+"""The HTTP server: OpenAI-compatible routes, the original /generate, health, metrics.
+
+`create_app()` returns a Starlette app; everything it holds lives in the lifespan's AppState."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cllm import api
+from cllm.api import APIError
+from cllm.config import SamplingParams, ServerConfig
+from cllm.engine import Delta, Engine, PromptTooLongError
+from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
+from cllm.generation import Generation
+from cllm.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger("cllm.server")
+
+
+class AppState:
+    """The engine (once loaded), the chat template and the metrics of one app."""
+
+    def __init__(self, config: ServerConfig, model_name: str) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.metrics = Metrics()
+        self.engine: Engine | None = None
+        self.template: api.ChatTemplate | None = None
+        self.load_error: str | None = None
+        self.stopping = False
+
+    def load(self, engine_factory: Callable[[], Engine]) -> None:
+        engine = engine_factory()
+        model = engine.model
+        piece = lambda t: model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
+        try:
+            self.template = api.ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
+                                             eos_token=piece(model.eos_token))
+        except ValueError as exc:
+            log.warning("the model's chat template does not compile (%s); using ChatML", exc)
+            self.template = api.ChatTemplate(None, bos_token=piece(model.bos_token),
+                                             eos_token=piece(model.eos_token))
+        self.metrics.watch(engine)
+        self.engine = engine
+
+    def require_engine(self) -> Engine:
+        if self.stopping:
+            raise APIError(503, "the server is shutting down", type="server_error",
+                           code="shutting_down")
+        if self.engine is None:
+            message = self.load_error or "the model is loading"
+            raise APIError(503, message, type="server_error", code="model_not_ready")
+        return self.engine
+
+    def piece(self, token: int) -> str:
+        return self.engine.model.token_to_piece(token).decode("utf-8", "replace")
+
+    def sequence_ended(self, delta: Delta, error: APIError | None) -> None:
+        self.metrics.record_sequence(delta)
+        self.metrics.record_outcome(delta.finish_reason, error.status if error else None)
+        if self.config.log_requests:
+            t = delta.timings or {}
+            rate = delta.completion_tokens / t["total"] if t.get("total") else 0.0
+            log.info("request prompt=%d generated=%d ttft=%.3fs %.1f tok/s outcome=%s%s",
+                     delta.prompt_tokens, delta.completion_tokens, t.get("ttft", float("nan")),
+                     rate, delta.finish_reason, f" ({delta.error})" if delta.error else "")
+
+
+# ---- plumbing shared by the routes ----
+
+async def read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
+    return api.parse_json_body(bytes(raw), limit)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await `awaitable`, cancelling it (and so aborting its sequences) if the client leaves."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """Closes its body generator at once when the response ends, the client gone or not, so the
+    sequences behind it are aborted now rather than when the generator is collected."""
+
+    def __init__(self, body) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def error_response(error: APIError, fmt_error_body=APIError.body) -> JSONResponse:
+    return JSONResponse(fmt_error_body(error), status_code=error.status, headers=error.headers)
+
+
+async def respond(request: Request, fmt: Format, prompt: list[int], sampling: SamplingParams,
+                  n: int, stream: bool, include_usage: bool) -> Response:
+    """Submit n sequences for one request and answer it, streamed or whole."""
+    state: AppState = request.app.state.cllm
+    engine = state.require_engine()
+    if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
+        raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
+    streams = []
+    try:
+        for i in range(n):
+            # n choices with one seed must still differ from each other.
+            params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+            streams.append(engine.submit(prompt, params, f"{fmt.request_id}-{i}"))
+    except PromptTooLongError as exc:
+        for s in streams:
+            s.abort()
+        raise APIError(400, str(exc), code="context_length_exceeded", param="prompt") from exc
+    generation = Generation(streams, fmt, state.sequence_ended)
+    if stream:
+        await until_disconnect(request, generation.first_event())
+        return SSEResponse(generation.sse(include_usage))
+    return JSONResponse(await until_disconnect(request, generation.collect()))
+
+
+def _new_format(cls, request: Request, prefix: str, sampling: SamplingParams) -> Format:
+    state: AppState = request.app.state.cllm
+    return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
+               state.piece, sampling.logprobs is not None)
+
+
+def guarded(handler, error_body=APIError.body):
+    """Route wrapper: APIError → its status and body; anything else → a logged 500."""
+    async def route(request: Request) -> Response:
+        state: AppState = request.app.state.cllm
+        try:
+            return await handler(request, state)
+        except APIError as error:
+            state.metrics.record_outcome(None, error.status)
+            return error_response(error, error_body)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as exc:  # a real fault: say so, keep serving
+            log.exception("internal error in %s", request.url.path)
+            state.metrics.record_outcome(None, 500)
+            return error_response(APIError(500, f"internal error: {exc!r}", type="server_error",
+                                           code="internal_error"), error_body)
+    return route
+
+
+# ---- routes ----
+
+async def completions(request: Request, state: AppState) -> Response:
+    body = await read_json(request, state.config.max_body_bytes)
+    engine = state.require_engine()
+    req = api.parse_completion(body, max_n=state.config.max_n, max_tokens_limit=engine.ctx.n_ctx)
+    prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
+        req.prompt, add_special=True, parse_special=True)
+    fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
+    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage)
+
+
+async def chat_completions(request: Request, state: AppState) -> Response:
+    body = await read_json(request, state.config.max_body_bytes)
+    engine = state.require_engine()
+    req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.ctx.n_ctx)
+    text = state.template.render(req.messages)
+    # Templates that write the BOS token themselves must not get a second one.
+    bos = state.piece(engine.model.bos_token) if engine.model.adds_bos else None
+    prompt = engine.model.tokenize(text, add_special=not (bos and text.startswith(bos)),
+                                   parse_special=True)
+    fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling)
+    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage)
+
+
+async def generate(request: Request, state: AppState) -> Response:
+    body = await read_json(request, state.config.max_body_bytes)
+    engine = state.require_engine()
+    req = api.parse_generate(body, max_tokens_limit=engine.ctx.n_ctx)
+    prompt = engine.model.tokenize(req.prompt, add_special=True, parse_special=True)
+    fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
+    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False)
+
+
+async def models(request: Request, state: AppState) -> Response:
+    engine = state.require_engine()
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": 0, "owned_by": "cllm",
+        "meta": {"n_ctx": engine.ctx.n_ctx, "n_ctx_train": engine.model.n_ctx_train,
+                 "n_vocab": engine.model.n_vocab, "n_params": engine.model.n_params,
+                 "description": engine.model.description}}]})
+
+
+async def tokenize(request: Request, state: AppState) -> Response:
+    content, add_special = api.parse_tokenize(await read_json(request, state.config.max_body_bytes))
+    engine = state.require_engine()
+    return JSONResponse({"tokens": engine.model.tokenize(content, add_special=add_special,
+                                                         parse_special=True)})
+
+
+async def detokenize(request: Request, state: AppState) -> Response:
+    tokens = api.parse_detokenize(await read_json(request, state.config.max_body_bytes))
+    engine = state.require_engine()
+    if any(t >= engine.model.n_vocab for t in tokens):
+        raise APIError(400, f"token ids must be below {engine.model.n_vocab}", param="tokens")
+    return JSONResponse({"content": engine.model.detokenize(tokens)})
+
+
+async def health(request: Request, state: AppState) -> Response:
+    state.require_engine()
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request, state: AppState) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route but /health, compared in constant time."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or wrong API key", type="authentication_error",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    # 404 and 405 in the same shape as every other error.
+    return error_response(APIError(exc.status_code, exc.detail, code=str(exc.status_code)))
+
+
+def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model_name: str,
+               on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
+    """The app. The engine loads in a thread once the server is up (/health answers 503 until
+    then); if it fails, `on_load_failure` decides what happens (serve.py exits)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        state = AppState(config, model_name)
+        app.state.cllm = state
+        threading.Thread(target=_load, args=(state, engine_factory, on_load_failure),
+                         name="cllm-load", daemon=True).start()
+        yield
+        state.stopping = True
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    post = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["POST"])  # noqa: E731
+    get = lambda path, fn: Route(path, guarded(fn), methods=["GET"])  # noqa: E731
+    app = Starlette(routes=[
+        post("/v1/completions", completions), post("/v1/chat/completions", chat_completions),
+        post("/generate", generate, error_body=GenerateFormat.error_body_of),
+        get("/v1/models", models), post("/tokenize", tokenize), post("/detokenize", detokenize),
+        get("/health", health), get("/metrics", metrics),
+    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def _load(state: AppState, engine_factory, on_load_failure) -> None:
+    try:
+        state.load(engine_factory)
+        log.info("model %s loaded", state.model_name)
+    except BaseException as exc:
+        state.load_error = f"the model failed to load: {exc}"
+        log.error("%s", state.load_error)
+        if on_load_failure is not None:
+            on_load_failure(exc)
