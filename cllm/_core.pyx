@@ -8,7 +8,7 @@ from cpython cimport array as carray
 from libc.math cimport expf, logf, INFINITY
 from libc.stdint cimport int32_t
 from libc.stdio cimport fputs, stderr
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
 
 from cllm._llama cimport *
 
@@ -76,7 +76,7 @@ cdef class Model:
     cdef const llama_vocab * vocab
     cdef readonly str path
 
-    def __cinit__(self, path, int n_gpu_layers=0, bint repack=False):
+    def __cinit__(self, path, int n_gpu_layers=-1, bint repack=False):
         self.path = os.fspath(path)
         _check_gguf_file(self.path)
         cdef llama_model_params params = llama_model_default_params()
@@ -218,16 +218,22 @@ cdef carray.array _FLOAT_ARRAY = array("f")
 
 
 cdef class Context:
-    """One llama_context: a KV cache shared by up to `n_seq_max` sequences, one sampler chain per
-    sequence, and `step()`, which decodes one batch and samples every row that asks for a token."""
+    """One llama_context for up to `n_seq_max` sequences, one sampler chain per sequence, and
+    `step()`, which decodes one batch and samples every row that asks for a token.
+
+    The KV cache holds `n_ctx` cells. Unified, any sequence may use any cell; otherwise each
+    sequence owns `n_ctx / n_seq_max` of them, and attends only over its own: a sequence's
+    logits then do not depend on which other sequences share its batches."""
     cdef llama_context * ctx
     cdef llama_batch batch
     cdef llama_sampler ** chains
     cdef readonly Model model
-    cdef readonly int n_ctx, n_seq_max, n_batch, n_vocab
+    cdef readonly int n_ctx, n_ctx_seq, n_seq_max, n_batch, n_vocab
+    cdef readonly bint kv_unified
+    cdef volatile int _interrupted  # set from any thread: a decode run stops after its step
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
-                  int n_ubatch=512, int n_threads=0, str flash_attn="auto"):
+                  int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True):
         if n_seq_max < 1 or n_ctx < 1 or n_batch < 1 or n_ubatch < 1:
             raise ValueError("n_ctx, n_seq_max, n_batch and n_ubatch must be positive")
         if flash_attn not in _FLASH_ATTN:
@@ -240,7 +246,7 @@ cdef class Context:
         params.n_threads = n_threads if n_threads > 0 else (os.cpu_count() or 1)
         params.n_threads_batch = params.n_threads
         params.flash_attn_type = _FLASH_ATTN[flash_attn]
-        params.kv_unified = True  # one cache for all sequences, so any of them can use any cell
+        params.kv_unified = kv_unified
         params.no_perf = True
         self.model = model
         with nogil:
@@ -249,6 +255,8 @@ cdef class Context:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, "
                                f"n_seq_max={n_seq_max}, n_batch={n_batch})")
         self.n_ctx = llama_n_ctx(self.ctx)
+        self.n_ctx_seq = llama_n_ctx_seq(self.ctx)
+        self.kv_unified = kv_unified
         self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_batch = llama_n_batch(self.ctx)
         self.n_vocab = model.n_vocab
@@ -364,6 +372,86 @@ cdef class Context:
             return out
         return out, self._logprobs(n_tokens, sample, top_logprobs, out)
 
+    def decode_run(self, const int[::1] seq_ids, const int[::1] positions,
+                   const int[::1] last_tokens, const int[::1] budgets,
+                   const int[::1] stop_at_eog, int n_steps):
+        """Up to `n_steps` decode steps in C for sequences that are past their prompts.
+
+        Row r continues `seq_ids[r]` from `last_tokens[r]` at `positions[r]` and stops after
+        `budgets[r]` tokens, or after an end-of-generation token if `stop_at_eog[r]`. The run
+        ends early when every row has stopped, on `interrupt()`, or when the KV cache is full.
+        Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
+        Raises DecodeError if a step fails (the tokens of that step are lost)."""
+        cdef Py_ssize_t n_rows = seq_ids.shape[0]
+        if (positions.shape[0] != n_rows or last_tokens.shape[0] != n_rows
+                or budgets.shape[0] != n_rows or stop_at_eog.shape[0] != n_rows):
+            raise ValueError("every argument needs one entry per row")
+        if n_rows > self.n_batch or n_steps < 1:
+            raise ValueError(f"{n_rows} rows, {n_steps} steps: need 1..{self.n_batch} rows, 1+ steps")
+        self._check_rows(seq_ids, _ones(n_rows), last_tokens)
+        cdef carray.array tokens = carray.clone(_INT_ARRAY, n_rows * n_steps, False)
+        cdef carray.array counts = carray.clone(_INT_ARRAY, n_rows, True)
+        cdef int32_t rc
+        self._interrupted = 0
+        with nogil:
+            rc = self._run(seq_ids, positions, last_tokens, budgets, stop_at_eog, n_steps,
+                           tokens.data.as_ints, counts.data.as_ints)
+        if rc != 0 and rc != 1:
+            raise DecodeError(rc, "invalid batch" if rc == -1 else "decode failed")
+        return tokens, counts
+
+    def interrupt(self):
+        """Make a running decode_run return after its current step (thread-safe)."""
+        self._interrupted = 1
+
+    cdef int32_t _run(self, const int[::1] seq_ids, const int[::1] positions,
+                      const int[::1] last_tokens, const int[::1] budgets,
+                      const int[::1] stop_at_eog, int n_steps, int * tokens,
+                      int * counts) noexcept nogil:
+        cdef Py_ssize_t r, i, n, n_rows = seq_ids.shape[0]
+        cdef int step
+        cdef int32_t rc = 0
+        cdef int * rows = <int *> malloc(n_rows * sizeof(int))  # batch index → row
+        if rows is NULL:
+            return -3
+        for step in range(n_steps):
+            n = 0
+            for r in range(n_rows):
+                if self._continues(r, tokens + r * n_steps, counts[r], budgets, stop_at_eog):
+                    rows[n] = <int> r
+                    self.batch.token[n] = (last_tokens[r] if counts[r] == 0
+                                           else tokens[r * n_steps + counts[r] - 1])
+                    self.batch.pos[n] = positions[r] + counts[r]
+                    self.batch.n_seq_id[n] = 1
+                    self.batch.seq_id[n][0] = seq_ids[r]
+                    self.batch.logits[n] = 1
+                    n += 1
+            if n == 0 or (step > 0 and self._interrupted):
+                break
+            self.batch.n_tokens = <int32_t> n
+            rc = llama_decode(self.ctx, self.batch)
+            if rc != 0:
+                break
+            for i in range(n):
+                r = rows[i]
+                tokens[r * n_steps + counts[r]] = self._sample_one(seq_ids[r], <int32_t> i)
+                counts[r] += 1
+        free(rows)
+        return rc
+
+    cdef bint _continues(self, Py_ssize_t r, const int * row_tokens, int count,
+                         const int[::1] budgets, const int[::1] stop_at_eog) noexcept nogil:
+        if count >= budgets[r]:
+            return False
+        return count == 0 or not stop_at_eog[r] or not llama_vocab_is_eog(
+            self.model.vocab, row_tokens[count - 1])
+
+    cdef int _sample_one(self, int seq_id, int32_t idx) noexcept nogil:
+        cdef llama_sampler * chain = self.chains[seq_id]
+        if chain is NULL:
+            return _argmax(llama_get_logits_ith(self.ctx, idx), self.n_vocab)
+        return llama_sampler_sample(chain, self.ctx, idx)
+
     cdef void _check_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
                           const int[::1] tokens) except *:
         cdef Py_ssize_t r, total = 0
@@ -398,17 +486,9 @@ cdef class Context:
                            const int[::1] sample, int * out) noexcept nogil:
         cdef Py_ssize_t r
         cdef int32_t last = -1
-        cdef llama_sampler * chain
         for r in range(seq_ids.shape[0]):
             last += n_tokens[r]
-            if not sample[r]:
-                out[r] = -1
-                continue
-            chain = self.chains[seq_ids[r]]
-            if chain is NULL:
-                out[r] = _argmax(llama_get_logits_ith(self.ctx, last), self.n_vocab)
-            else:
-                out[r] = llama_sampler_sample(chain, self.ctx, last)
+            out[r] = self._sample_one(seq_ids[r], last) if sample[r] else -1
 
     cdef object _logprobs(self, const int[::1] n_tokens, const int[::1] sample,
                           const int[::1] top_logprobs, carray.array chosen):
@@ -428,6 +508,10 @@ cdef class Context:
                                    &lp.top_ids.data.as_ints[r * k],
                                    &lp.top_logprobs.data.as_floats[r * k])
         return lp
+
+
+cdef carray.array _ones(Py_ssize_t n):
+    return array("i", [1]) * n
 
 
 cdef class Logprobs:
