@@ -86,12 +86,17 @@ class Engine:
         self.model = _core.Model(model_path, n_gpu_layers=config.n_gpu_layers)
         self.ctx = _core.Context(self.model, n_ctx=config.n_ctx, n_seq_max=config.n_parallel,
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
-                                 n_threads=config.n_threads, flash_attn=config.flash_attn)
+                                 n_threads=config.n_threads, flash_attn=config.flash_attn,
+                                 kv_unified=config.kv_unified)
         eog = frozenset(t for t in range(self.model.n_vocab) if self.model.is_eog(t))
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
-                                   kv_capacity=self.ctx.n_ctx, max_queue=config.max_queue,
-                                   eog_tokens=eog)
+                                   kv_capacity=self.ctx.n_ctx, max_seq_len=self.ctx.n_ctx_seq,
+                                   max_queue=config.max_queue, eog_tokens=eog)
         self.timer = StepTimer()
+        # Decode steps per call into C when only decodes run: many on a GPU, where Python's
+        # share of a step is large; one on a CPU, where a step dwarfs it.
+        self.decode_steps = config.decode_steps or (8 if _core.supports_gpu_offload() else 1)
+        self._run_ahead = True
         self._live: dict[Sequence, _Live] = {}
         self._inbox: deque = deque()
         self._wake = threading.Event()
@@ -110,9 +115,9 @@ class Engine:
             raise RuntimeError("the engine is shutting down")
         if not prompt_token_ids:
             raise ValueError("the prompt has no tokens")
-        if len(prompt_token_ids) >= self.ctx.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the context holds {self.ctx.n_ctx}")
+        if len(prompt_token_ids) >= self.ctx.n_ctx_seq:
+            raise PromptTooLongError(f"the prompt has {len(prompt_token_ids)} tokens; a sequence's "
+                                     f"context holds {self.ctx.n_ctx_seq}")
         now = time.monotonic()
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
                        arrival_time=now, deadline=now + self.config.request_timeout)
@@ -144,6 +149,7 @@ class Engine:
     def _post(self, message) -> None:
         self._inbox.append(message)
         self._wake.set()
+        self.ctx.interrupt()  # a decode run in C makes way at its next step
 
     # ---- the engine thread ----
 
@@ -171,6 +177,7 @@ class Engine:
                 self._admit(item, outbox)
             elif item in self._live:
                 self._end(item, FINISH_ABORT, None, outbox)
+        self._free_released()
         outbox.deliver()
 
     def _admit(self, stream: RequestStream, outbox: _Outbox) -> None:
@@ -195,19 +202,48 @@ class Engine:
         if not out.chunks:
             outbox.deliver()
             return
-        rows = _Rows.build(out)
-        timer.lap("schedule")
-        result = self._decode(out, rows, outbox)
-        timer.lap("decode")
-        if result is not None:
-            self._postprocess(out, rows, result, outbox)
+        n_steps = self._run_length(out)
+        if n_steps > 1:
+            rows = _RunRows.build(out, self.scheduler)
+            timer.lap("schedule")
+            result = self._decode_run(out, rows, n_steps, outbox)
+            timer.lap("decode")
+            got = self.scheduler.postprocess_run(out, *result, n_steps, now) if result else []
+            self._run_ahead = bool(got)  # a run that made no token (KV full) is not retried
+        else:
+            rows = _Rows.build(out)
+            timer.lap("schedule")
+            result = self._decode(out, rows, outbox)
+            timer.lap("decode")
+            got = self._account_step(out, rows, result, now) if result is not None else []
+            self._run_ahead = True
+        self._emit(out, got, now, outbox)
+        self._free_released()  # before the clients hear that their sequences ended
         timer.lap("postprocess")
         outbox.deliver()
         timer.lap("handoff")
         timer.end(len(out.chunks))
 
+    def _run_length(self, out: SchedulerOutput) -> int:
+        """How many decode steps to run in C at once: several only while nobody waits, every
+        chunk is a decode and no one asked for logprobs (each new request interrupts a run)."""
+        steps = self.decode_steps
+        if steps <= 1 or not self._run_ahead or self._inbox or self.scheduler.waiting:
+            return 1
+        for chunk in out.chunks:
+            if chunk.length != 1 or not chunk.samples or chunk.seq.sampling.logprobs is not None:
+                return 1
+        if self.config.kv_unified:  # the pool must hold every row's run
+            free = self.scheduler.kv_capacity - self.scheduler.kv_used
+            steps = min(steps, free // len(out.chunks))
+        return steps
+
+    def _free_released(self) -> None:
+        for seq_id in self.scheduler.take_released():
+            self.ctx.remove_sequence(seq_id)
+
     def _prepare_sequences(self, out: SchedulerOutput) -> None:
-        for seq_id in out.released:
+        for seq_id in out.released:  # timed out or preempted while planning this step
             self.ctx.remove_sequence(seq_id)
         for seq in out.started:
             p = seq.sampling
@@ -226,22 +262,43 @@ class Engine:
             victim = self.scheduler.preempt_newest(time.monotonic())
             log.info("KV cache full: preempted %s", victim.request_id if victim else None)
         except _core.DecodeError as exc:
-            log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)
-            for chunk in out.chunks:
-                self._end(chunk.seq, FINISH_ERROR, str(exc), outbox)
+            self._fail(out, exc, outbox)
         return None
 
-    def _postprocess(self, out: SchedulerOutput, rows: _Rows, result, outbox: _Outbox) -> None:
+    def _decode_run(self, out: SchedulerOutput, rows: _RunRows, n_steps: int, outbox: _Outbox):
+        try:
+            return self.ctx.decode_run(rows.seq_ids, rows.positions, rows.last_tokens,
+                                       rows.budgets, rows.stop_at_eog, n_steps)
+        except _core.DecodeError as exc:
+            self._fail(out, exc, outbox)
+        return None
+
+    def _fail(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
+        log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)
+        for chunk in out.chunks:
+            if chunk.seq in self._live:
+                self._end(chunk.seq, FINISH_ERROR, str(exc), outbox)
+
+    def _account_step(self, out: SchedulerOutput, rows: _Rows, result, now: float):
         sampled, logprobs = result if rows.top_logprobs is not None else (result, None)
-        now = time.monotonic()
-        for r, seq in self._with_new_token(out, sampled, now):
+        got = self.scheduler.postprocess(out, sampled, now)
+        if logprobs is not None:
+            for i, _ in got:
+                seq = out.chunks[i].seq
+                if seq.sampling.logprobs is not None:
+                    chosen, top = logprobs.row(i)
+                    self._live[seq].logprobs.append(
+                        TokenLogprob(seq.output_token_ids[-1], chosen, top))
+        return got
+
+    def _emit(self, out: SchedulerOutput, got, now: float, outbox: _Outbox) -> None:
+        """One delta per sequence that got tokens: their text, held back at a stop string."""
+        for i, kept in got:
+            seq = out.chunks[i].seq
             live = self._live[seq]
-            token = seq.output_token_ids[-1]
-            live.pending.append(token)
-            if logprobs is not None and seq.sampling.logprobs is not None:
-                chosen, top = logprobs.row(r)
-                live.logprobs.append(TokenLogprob(token, chosen, top))
-            text = live.text.feed(self.model.token_to_piece(token))
+            new_tokens = seq.output_token_ids[-kept:]
+            live.pending += new_tokens
+            text = "".join(map(live.text.feed, map(self.model.token_to_piece, new_tokens)))
             if live.text.stopped:
                 self.scheduler.finish(seq, FINISH_STOP, now)
             if seq.is_finished:
@@ -249,14 +306,6 @@ class Engine:
             else:
                 outbox.add(live.stream, Delta(text, live.pending, live.take_logprobs()))
                 live.pending = []
-
-    def _with_new_token(self, out: SchedulerOutput, sampled, now: float):
-        """(row, sequence) for each row that got a token; the scheduler accounts for the step."""
-        got = self.scheduler.postprocess(out, sampled, now)
-        if not got:
-            return []
-        rows = {id(chunk.seq): r for r, chunk in enumerate(out.chunks) if chunk.samples}
-        return [(rows[id(seq)], seq) for seq in got]
 
     def _end(self, seq: Sequence, reason: str, error: str | None, outbox: _Outbox) -> None:
         self.scheduler.finish(seq, reason, time.monotonic(), error)
@@ -278,8 +327,7 @@ class Engine:
         outbox = _Outbox()
         for seq in list(self._live):
             self._end(seq, reason, error, outbox)
-        for seq_id in self.scheduler.take_released():
-            self.ctx.remove_sequence(seq_id)
+        self._free_released()
         outbox.deliver()
 
 
@@ -310,15 +358,28 @@ class _Rows:
         rows.sample = array("i", [c.samples for c in chunks])
         tokens = array("i")
         for c in chunks:
-            if c.length == 1:
-                tokens.append(c.seq.output_token_ids[-1] if c.seq.output_token_ids
-                              else c.seq.prompt_token_ids[c.start])
-            else:
-                tokens.extend(c.seq.token_ids(c.start, c.length))
+            tokens.extend(c.seq.token_ids(c.start, c.length))
         rows.tokens = tokens
         wanted = [-1 if c.seq.sampling.logprobs is None else c.seq.sampling.logprobs
                   for c in chunks]
         rows.top_logprobs = array("i", wanted) if max(wanted) >= 0 else None
+        return rows
+
+
+class _RunRows:
+    """A decode run's rows as the flat int arrays Context.decode_run takes."""
+    __slots__ = ("seq_ids", "positions", "last_tokens", "budgets", "stop_at_eog")
+
+    @classmethod
+    def build(cls, out: SchedulerOutput, scheduler: Scheduler) -> _RunRows:
+        rows = cls()
+        seqs = [c.seq for c in out.chunks]
+        rows.seq_ids = array("i", [s.seq_id for s in seqs])
+        rows.positions = array("i", [c.start for c in out.chunks])
+        rows.last_tokens = array("i", [s.token_ids(c.start, 1)[0]
+                                       for s, c in zip(seqs, out.chunks)])
+        rows.budgets = array("i", [scheduler.decode_budget(s) for s in seqs])
+        rows.stop_at_eog = array("i", [not s.sampling.ignore_eos for s in seqs])
         return rows
 
 

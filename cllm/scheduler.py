@@ -41,9 +41,10 @@ class Scheduler:
     then waiting sequences (FIFO), so a long prompt never stalls the streams already running."""
 
     def __init__(self, *, max_seqs: int, token_budget: int, kv_capacity: int, max_queue: int,
-                 eog_tokens: frozenset[int] = frozenset()) -> None:
+                 max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset()) -> None:
         self.token_budget = token_budget
         self.kv_capacity = kv_capacity
+        self.max_seq_len = max_seq_len or kv_capacity  # cells one sequence may hold
         self.max_queue = max_queue
         self.eog_tokens = eog_tokens
         self.waiting: deque[Sequence] = deque()
@@ -61,9 +62,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting")
-        if seq.num_tokens >= self.kv_capacity:
+        if seq.num_tokens >= self.max_seq_len:
             raise ValueError(f"{seq.num_tokens} prompt tokens do not fit a context of "
-                             f"{self.kv_capacity} with room for one generated token")
+                             f"{self.max_seq_len} with room for one generated token")
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str, now: float, error: str | None = None) -> bool:
@@ -95,26 +96,56 @@ class Scheduler:
         released, self._released = self._released, []
         return released
 
-    def postprocess(self, out: SchedulerOutput, sampled, now: float) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled, now: float) -> list[tuple[int, int]]:
         """Account for a decoded step: `sampled[i]` is chunk i's token (-1 if it sampled none).
-        Returns the sequences that got a token, in chunk order; ends those that reached an
-        end-of-generation token, max_tokens or the context's end."""
-        got_token = []
-        for chunk, token in zip(out.chunks, sampled):
+        Returns (chunk index, 1) for each chunk whose sequence got a token; ends sequences that
+        reached an end-of-generation token, max_tokens or the context's end."""
+        got = []
+        for i, (chunk, token) in enumerate(zip(out.chunks, sampled)):
             seq = chunk.seq
             if seq.is_finished:  # aborted while its batch was decoding
                 continue
-            seq.num_computed_tokens += chunk.length
-            self.kv_used += chunk.length
-            if token < 0:
+            self._computed(seq, chunk.length)
+            if token >= 0:
+                self._append(seq, token, now)
+                got.append((i, 1))
+        return got
+
+    def postprocess_run(self, out: SchedulerOutput, tokens, counts, n_steps: int,
+                        now: float) -> list[tuple[int, int]]:
+        """Account for a decode run (Context.decode_run) over decode-only chunks: chunk i fed
+        and got `counts[i]` tokens, at tokens[i * n_steps:]. Returns (chunk index, number kept),
+        a sequence keeping the tokens up to the one that ended it."""
+        got = []
+        for i, chunk in enumerate(out.chunks):
+            seq = chunk.seq
+            if seq.is_finished or counts[i] == 0:
                 continue
-            seq.output_token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            got_token.append(seq)
-            self._check_end(seq, token, now)
-        return got_token
+            self._computed(seq, counts[i])
+            kept = 0
+            for token in tokens[i * n_steps:i * n_steps + counts[i]]:
+                self._append(seq, token, now)
+                kept += 1
+                if seq.is_finished:
+                    break
+            got.append((i, kept))
+        return got
+
+    def decode_budget(self, seq: Sequence) -> int:
+        """Tokens `seq` may still generate before max_tokens or its context's end."""
+        return min(seq.sampling.max_tokens - seq.num_output_tokens,
+                   self.max_seq_len - seq.num_tokens)
+
+    def _computed(self, seq: Sequence, n_tokens: int) -> None:
+        seq.num_computed_tokens += n_tokens
+        self.kv_used += n_tokens
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        self._check_end(seq, token, now)
 
     def preempt_newest(self, now: float) -> Sequence | None:
         """Free the KV of the most recently admitted running sequence and queue it first, to be
@@ -134,7 +165,7 @@ class Scheduler:
         params = seq.sampling
         if token in self.eog_tokens and not params.ignore_eos:
             self.finish(seq, FINISH_STOP, now)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.kv_capacity:
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
             self.finish(seq, FINISH_LENGTH, now)
 
     def _release(self, seq: Sequence) -> None:
