@@ -23,14 +23,19 @@ _FAILURES = {
 }
 
 
-def failure(delta: Delta) -> APIError | None:
+class SequenceFailure(APIError):
+    """The error a sequence ended with. `on_sequence_end` has counted it by the time it is
+    raised: the route must not count it again."""
+
+
+def failure(delta: Delta) -> SequenceFailure | None:
     """The error a final delta stands for, or None if it ended normally."""
     if delta.finish_reason in (FINISH_STOP, FINISH_LENGTH, None):
         return None
     status, type_, code, headers = _FAILURES.get(delta.finish_reason,
                                                  (500, "server_error", delta.finish_reason, {}))
     message = delta.error or f"the request ended: {delta.finish_reason}"
-    return APIError(status, message, type=type_, code=code, headers=headers)
+    return SequenceFailure(status, message, type=type_, code=code, headers=headers)
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:

@@ -4,8 +4,10 @@ given by --config (keys as the flags, dashes or underscores), else its default."
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
 import tomllib
 from pathlib import Path
@@ -15,6 +17,11 @@ import uvicorn
 from cllm.config import EngineConfig, ServerConfig
 from cllm.models import resolve_model
 
+
+def _flag(value) -> bool:
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
 # option name → (type, default, help); the defaults are the config dataclasses'.
 _ENGINE, _SERVER = EngineConfig(), ServerConfig()
 OPTIONS = {
@@ -22,7 +29,9 @@ OPTIONS = {
     "host": (str, _SERVER.host, "address to bind; 0.0.0.0 exposes the server to the network"),
     "port": (int, _SERVER.port, "port to listen on"),
     "parallel": (int, _ENGINE.n_parallel, "sequences decoded together (seq ids)"),
-    "ctx_size": (int, _ENGINE.n_ctx, "KV cache cells shared by all sequences"),
+    "ctx_size": (int, _ENGINE.n_ctx, "KV cache cells in all (n / parallel per sequence)"),
+    "kv_unified": (_flag, _ENGINE.kv_unified,
+                   "one KV pool for all sequences (--no-kv-unified: ctx-size / parallel each)"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
     "ubatch_size": (int, _ENGINE.n_ubatch, "tokens per llama.cpp micro-batch"),
     "threads": (int, _ENGINE.n_threads, "CPU threads (0: all cores)"),
@@ -41,8 +50,12 @@ def parse_args(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m cllm.serve", description=__doc__)
     parser.add_argument("--config", type=Path, help="TOML file of options")
     for name, (type_, default, help_) in OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type_, default=None,
-                            help=f"{help_} [{default}]")
+        flag, help_ = "--" + name.replace("_", "-"), f"{help_} [{default}]"
+        if type_ is _flag:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_)
+        else:
+            parser.add_argument(flag, type=type_, default=None, help=help_)
     args = vars(parser.parse_args(argv))
     file_values = _read_config(args.pop("config"))
     unknown = set(file_values) - set(OPTIONS)
@@ -72,7 +85,7 @@ def build_config(options: dict) -> ServerConfig:
     engine = EngineConfig(
         model=options["model"], n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
-        n_threads=options["threads"], n_gpu_layers=options["n_gpu_layers"],
+        n_threads=options["threads"], kv_unified=options["kv_unified"], n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         request_timeout=options["request_timeout"])
     return ServerConfig(host=options["host"], port=options["port"], api_key=options["api_key"],
@@ -87,10 +100,58 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = build_config(options)
         model_path = resolve_model(config.engine.model)
+        check_model_file(model_path)
     except (ValueError, RuntimeError) as exc:
         print(f"cllm: error: {exc}", file=sys.stderr)
         return 2
     return serve(config, model_path)
+
+
+def check_model_file(path: Path) -> None:
+    """The plain mistakes (no such file, not a GGUF file) as one line, before the server starts;
+    the loader still reports a file that only looks like GGUF."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ValueError(f"cannot read the model file {path}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r})")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with two changes to how a signal stops it:
+    - when the grace period ends, requests still running get a stated 503 (their sequences end
+      with reason 'shutdown') instead of being cut off by uvicorn's task cancellation, which
+      would reach clients as a bare 500 or a truncated stream;
+    - the process then exits 0: uvicorn re-raises the signal once it has shut down, which with
+      the default handler would kill the process (status -15) after a clean shutdown."""
+
+    def __init__(self, config: uvicorn.Config, grace: float) -> None:
+        super().__init__(config)
+        self.grace = grace
+
+    def run(self, sockets=None) -> None:
+        # Handlers uvicorn saves and calls again after its shutdown (and that a signal arriving
+        # before uvicorn installs its own honours).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._exit_requested)
+        super().run(sockets)
+
+    def _exit_requested(self, sig, frame) -> None:
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task] = []
+        deadline = loop.call_later(self.grace, lambda: stopping.append(
+            loop.create_task(self.config.app.state.cllm.stop())))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+            if stopping:
+                await stopping[0]
 
 
 def serve(config: ServerConfig, model_path: Path) -> int:
@@ -106,9 +167,10 @@ def serve(config: ServerConfig, model_path: Path) -> int:
     app = create_app(config, lambda: Engine(config.engine, str(model_path)),
                      model_name=config.engine.model if not Path(config.engine.model).suffix
                      else model_path.name, on_load_failure=on_load_failure)
-    server = uvicorn.Server(uvicorn.Config(
+    # uvicorn's own deadline is a backstop: at shutdown_grace the requests get their 503s.
+    server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, access_log=False, log_config=None,
-        timeout_graceful_shutdown=config.shutdown_grace))
+        timeout_graceful_shutdown=config.shutdown_grace + 10), grace=config.shutdown_grace)
     server.run()
     return 1 if load_failures else 0
 

@@ -24,7 +24,7 @@ from cllm.api import APIError
 from cllm.config import SamplingParams, ServerConfig
 from cllm.engine import Delta, Engine, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
-from cllm.generation import Generation
+from cllm.generation import Generation, SequenceFailure
 from cllm.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("cllm.server")
@@ -55,6 +55,13 @@ class AppState:
                                              eos_token=piece(model.eos_token))
         self.metrics.watch(engine)
         self.engine = engine
+
+    async def stop(self) -> None:
+        """Refuse new requests and end the running ones, each with a stated 503 (reason
+        'shutdown'); idempotent."""
+        self.stopping = True
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
 
     def require_engine(self) -> Engine:
         if self.stopping:
@@ -101,14 +108,17 @@ async def until_disconnect(request: Request, awaitable):
     """Await `awaitable`, cancelling it (and so aborting its sequences) if the client leaves."""
     work = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
-    raise ClientGone()
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this task is cancelled: the work must not run on unobserved
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
 
 
 async def _disconnected(request: Request) -> None:
@@ -172,7 +182,8 @@ def guarded(handler, error_body=APIError.body):
         try:
             return await handler(request, state)
         except APIError as error:
-            state.metrics.record_outcome(None, error.status)
+            if not isinstance(error, SequenceFailure):  # those were counted as they ended
+                state.metrics.record_outcome(None, error.status)
             return error_response(error, error_body)
         except ClientGone:
             return Response(status_code=499)
@@ -189,7 +200,8 @@ def guarded(handler, error_body=APIError.body):
 async def completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
-    req = api.parse_completion(body, max_n=state.config.max_n, max_tokens_limit=engine.ctx.n_ctx)
+    req = api.parse_completion(body, max_n=state.config.max_n,
+                               max_tokens_limit=engine.ctx.n_ctx_seq)
     prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
         req.prompt, add_special=True, parse_special=True)
     fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
@@ -199,7 +211,7 @@ async def completions(request: Request, state: AppState) -> Response:
 async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
-    req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.ctx.n_ctx)
+    req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.ctx.n_ctx_seq)
     text = state.template.render(req.messages)
     # Templates that write the BOS token themselves must not get a second one.
     bos = state.piece(engine.model.bos_token) if engine.model.adds_bos else None
@@ -212,7 +224,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
 async def generate(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
-    req = api.parse_generate(body, max_tokens_limit=engine.ctx.n_ctx)
+    req = api.parse_generate(body, max_tokens_limit=engine.ctx.n_ctx_seq)
     prompt = engine.model.tokenize(req.prompt, add_special=True, parse_special=True)
     fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False)
@@ -222,7 +234,7 @@ async def models(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     return JSONResponse({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "cllm",
-        "meta": {"n_ctx": engine.ctx.n_ctx, "n_ctx_train": engine.model.n_ctx_train,
+        "meta": {"n_ctx": engine.ctx.n_ctx_seq, "n_ctx_train": engine.model.n_ctx_train,
                  "n_vocab": engine.model.n_vocab, "n_params": engine.model.n_params,
                  "description": engine.model.description}}]})
 
@@ -239,7 +251,8 @@ async def detokenize(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     if any(t >= engine.model.n_vocab for t in tokens):
         raise APIError(400, f"token ids must be below {engine.model.n_vocab}", param="tokens")
-    return JSONResponse({"content": engine.model.detokenize(tokens)})
+    # Special tokens as text, as /tokenize parses them (and as llama-server renders them).
+    return JSONResponse({"content": engine.model.detokenize(tokens, special=True)})
 
 
 async def health(request: Request, state: AppState) -> Response:
@@ -264,7 +277,9 @@ class APIKeyMiddleware:
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "missing or wrong API key", type="authentication_error",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error_response(error)(scope, receive, send)
+                shape = (GenerateFormat.error_body_of if scope["path"] == "/generate"
+                         else APIError.body)
+                await error_response(error, shape)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -286,9 +301,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         threading.Thread(target=_load, args=(state, engine_factory, on_load_failure),
                          name="cllm-load", daemon=True).start()
         yield
-        state.stopping = True
-        if state.engine is not None:
-            await asyncio.to_thread(state.engine.shutdown)
+        await state.stop()
 
     post = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["POST"])  # noqa: E731
     get = lambda path, fn: Route(path, guarded(fn), methods=["GET"])  # noqa: E731
