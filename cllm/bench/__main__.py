@@ -1,0 +1,150 @@
+"""`python -m cllm.bench`: start or reach the servers, run every concurrency level, report."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from cllm.models import DEFAULT_ALIAS, resolve_model
+
+from . import prompts as prompt_sets
+from . import report
+from .cli import load_settings, parse_args, server_settings
+from .direct import EngineTarget
+from .loadgen import HttpTarget, Sender, first_model, run_level
+from .peer import build, start_peer
+from .servers import StartedServer, say, start_cllm
+from .stats import summarize
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    url: str | None = None  # None: measured in-process (engine-direct)
+    model: str | None = None
+    send: Sender | None = None  # set once the model name is known
+    engine: EngineTarget | None = None  # for its step timer
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    data = report.new_report(_settings(args), args.tag)
+    try:
+        with ExitStack() as stack:
+            targets = _start_targets(args, stack, data)
+            asyncio.run(_measure_all(args, targets, data))
+    finally:
+        if data["runs"]:  # an interrupted run still leaves the levels it finished
+            _write(data, args.out)
+
+
+def _write(data: dict, out: Path) -> None:
+    path = report.write(data, out)
+    png = report.plot([data], path.with_suffix(".png"))
+    print(report.table(data["runs"]))
+    print(f"results: {path}" + (f"\nplot: {png}" if png else ""))
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings["server"] = asdict(server_settings(args))
+    return settings
+
+
+def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> list[Target]:
+    """Servers this run starts come first (cllm, engine, peer), then --url ones."""
+    targets: list[Target] = []
+    s = server_settings(args)
+    logs = args.out / "logs"
+    if args.cllm:
+        targets.append(_started(start_cllm(args.model or DEFAULT_ALIAS, s, logs), stack, data))
+    if args.engine_direct:
+        path = _model_path(args)
+        engine = EngineTarget(str(path), s, load_settings(args))
+        stack.callback(engine.shutdown)
+        targets.append(Target("cllm-engine", model=path.name, send=engine.send, engine=engine))
+    if args.batched_bench:
+        build(("llama-server", "llama-batched-bench"))
+    if args.peer:
+        targets.append(_started(start_peer(_model_path(args), s, logs), stack, data))
+    for url in args.url:
+        name = urlsplit(url).netloc or url
+        targets.append(Target(name, url=url, model=args.model))
+    return targets
+
+
+def _started(server: StartedServer, stack: ExitStack, data: dict) -> Target:
+    stack.callback(server.stop)
+    data["servers"][server.name] = {"url": server.url, "command": server.process.args,
+                                    "log": str(server.log_path)}
+    return Target(server.name, url=server.url)
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    return resolve_model(args.model)
+
+
+async def _measure_all(args: argparse.Namespace, targets: list[Target], data: dict) -> None:
+    load = load_settings(args)
+    n_prompts = args.requests + args.warmup
+    texts = _prompts(args, n_prompts * len(args.concurrency))
+    # Keep every connection alive: reconnecting between requests would count in their TTFT.
+    pool = max(args.concurrency) + 4
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(load.timeout, connect=30.0),
+                                 limits=limits) as client:
+        for t in targets:
+            if t.url:
+                t.model = t.model or await first_model(client, t.url)
+                t.send = HttpTarget(t.url, t.model, load, client).send
+        for i, level in enumerate(args.concurrency):
+            # Each level gets its own prompts (a synthetic set has them all different), and the
+            # order of servers flips from level to level so neither always runs first.
+            level_prompts = prompt_sets.for_requests(texts, n_prompts, offset=i * n_prompts)
+            for t in targets if i % 2 == 0 else targets[::-1]:
+                run = await _measure(t, level, level_prompts, args.warmup)
+                data["runs"].append(run)
+                _print_run(run)
+
+
+def _prompts(args: argparse.Namespace, count: int) -> list[str]:
+    if args.prompt_tokens:
+        return prompt_sets.synthetic(args.prompt_tokens, count)
+    if args.prompt_file:
+        return prompt_sets.from_file(args.prompt_file)
+    return list(prompt_sets.DEFAULT_PROMPTS)
+
+
+async def _measure(t: Target, level: int, level_prompts: list[str], warmup: int) -> dict:
+    warm, measured = level_prompts[:warmup], level_prompts[warmup:]
+    load_before = os.getloadavg()[0]  # on a shared machine, says how busy it was
+    warm_results, _ = await run_level(t.send, warm, level) if warm else ([], 0.0)
+    if t.engine is not None:
+        t.engine.reset_timer()
+    results, duration = await run_level(t.send, measured, level, desc=f"{t.name} c={level}")
+    run = {"server": t.name, "url": t.url, "model": t.model, "concurrency": level,
+           "warmup_failed": sum(not r.ok for r in warm_results), "loadavg_1m": load_before,
+           "metrics": summarize(results, duration)}
+    if t.engine is not None:
+        run["engine_steps"] = t.engine.timer_summary()
+    return run
+
+
+def _print_run(run: dict) -> None:
+    m = run["metrics"]
+    say(f"{run['server']} c={run['concurrency']}: {m['completed']} ok, {m['failed']} failed, "
+        f"{m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50'] or 0:.1f} ms")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

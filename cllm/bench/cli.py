@@ -1,0 +1,109 @@
+"""The command line of `python -m cllm.bench`."""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from .loadgen import LoadSettings
+from .servers import ENGINE_DEFAULTS, ServerSettings
+
+PEERS = ("llama-server",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cllm.bench",
+        description="Load benchmark for OpenAI-compatible servers: cllm against llama-server, "
+                    "or any --url. Levels run one after another; at each level every server "
+                    "is measured in turn, so drift on the machine hits them alike.")
+    targets = p.add_argument_group("servers")
+    targets.add_argument("--url", action="append", default=[],
+                         help="an already-running server (repeatable)")
+    targets.add_argument("--cllm", action="store_true", help="start `python -m cllm.serve`")
+    targets.add_argument("--peer", choices=PEERS,
+                         help="build (cached) and start llama-server from the pinned llama.cpp")
+    targets.add_argument("--engine-direct", action="store_true",
+                         help="also measure cllm's Engine in this process, without HTTP "
+                              "(series cllm-engine; raw prompts, no chat template)")
+    targets.add_argument("--model",
+                         help="servers started here: the model to load (alias or GGUF path, "
+                              "default: cllm's default alias); --url servers: the model field "
+                              "sent (default: the first of GET /v1/models)")
+    load = p.add_argument_group("load")
+    load.add_argument("--requests", type=_positive, default=72, help="per level (default 72)")
+    load.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 8, 16, 32],
+                      help="levels, each run separately (default 1 8 16 32)")
+    load.add_argument("--max-tokens", type=_positive, default=50)
+    source = load.add_mutually_exclusive_group()
+    source.add_argument("--prompt-tokens", type=_positive,
+                        help="synthetic prompts of about N tokens, all different")
+    source.add_argument("--prompt-file", type=Path, help="one prompt per line")
+    load.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                      help="generate exactly --max-tokens (default on)")
+    load.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    load.add_argument("--warmup", type=_non_negative, default=4,
+                      help="requests sent and discarded before each level (default 4)")
+    load.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    started = p.add_argument_group("servers started here (--cllm, --peer, --engine-direct)")
+    started.add_argument("--parallel", type=_positive,
+                         help="sequences/slots (default: the highest concurrency level)")
+    started.add_argument("--ctx-size", type=_positive, default=8192,
+                         help="KV cache cells in all, split over the sequences (default 8192)")
+    started.add_argument("--kv-unified", action=argparse.BooleanOptionalAction,
+                         default=ENGINE_DEFAULTS.kv_unified,
+                         help="one KV pool that any sequence may fill, in both servers")
+    started.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
+    started.add_argument("--batch-size", type=_positive, default=ENGINE_DEFAULTS.n_batch)
+    started.add_argument("--ubatch-size", type=_positive,
+                         help=f"micro-batch (default: the batch size, at most "
+                              f"{ENGINE_DEFAULTS.n_ubatch})")
+    started.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto")
+    started.add_argument("--n-gpu-layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers)
+    started.add_argument("--batched-bench", action="store_true",
+                         help="also build llama-batched-bench beside llama-server")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("bench/results"))
+    out.add_argument("--tag", help="a name for this run, put in the file names")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.url or args.cllm or args.peer or args.engine_direct):
+        parser.error("nothing to measure: give --url, --cllm, --peer or --engine-direct")
+    args.concurrency = sorted(set(args.concurrency))
+    if args.parallel is None:
+        args.parallel = max(args.concurrency)
+    return args
+
+
+def load_settings(args: argparse.Namespace) -> LoadSettings:
+    return LoadSettings(endpoint=args.endpoint, max_tokens=args.max_tokens, stream=args.stream,
+                        ignore_eos=args.ignore_eos, timeout=args.timeout)
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(parallel=args.parallel, ctx_size=args.ctx_size,
+                          kv_unified=args.kv_unified, threads=args.threads,
+                          batch_size=args.batch_size,
+                          # llama.cpp caps the micro-batch at the batch anyway
+                          ubatch_size=args.ubatch_size or min(args.batch_size,
+                                                              ENGINE_DEFAULTS.n_ubatch),
+                          flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value

@@ -1,0 +1,65 @@
+"""cllm's Engine measured in-process, with no HTTP: the "cllm-engine" series.
+
+The gap between it and the "cllm" series is what the HTTP layer costs. Prompts go in raw (no
+chat template), as with the completions endpoint."""
+from __future__ import annotations
+
+import time
+
+from .loadgen import LoadSettings, RequestResult, check_tokens
+from .servers import ServerSettings
+
+
+def _failed_finish(reason: str) -> str | None:
+    """Only stop and length are a normal end; abort, timeout, error and shutdown are failures."""
+    return None if reason in ("stop", "length") else f"finished with reason {reason!r}"
+
+
+class EngineTarget:
+    """Sends prompts to an Engine running in this process; never raises from send()."""
+
+    def __init__(self, model_path: str, s: ServerSettings, load: LoadSettings) -> None:
+        try:
+            from cllm.config import EngineConfig, SamplingParams
+            from cllm.engine import Engine
+        except ImportError as e:  # the compiled core is missing: a source checkout, not built
+            raise SystemExit(f"--engine-direct needs cllm built (pip install .): {e}") from e
+        config = EngineConfig(n_ctx=s.ctx_size, kv_unified=s.kv_unified,
+                              n_parallel=s.parallel, n_batch=s.batch_size,
+                              n_ubatch=s.ubatch_size, n_threads=s.threads,
+                              n_gpu_layers=s.n_gpu_layers, flash_attn=s.flash_attn)
+        self.engine = Engine(config, model_path)
+        self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
+                                       ignore_eos=load.ignore_eos)
+
+    async def send(self, prompt: str) -> RequestResult:
+        r = RequestResult(start=time.perf_counter())
+        try:
+            stream = self.engine.submit(self.engine.model.tokenize(prompt), self.sampling)
+            last = None
+            async for delta in stream:
+                now = time.perf_counter()
+                if delta.token_ids:
+                    if last is None:
+                        r.ttft = now - r.start
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                if delta.finish_reason is not None:
+                    r.finish_reason = delta.finish_reason
+                    r.prompt_tokens = delta.prompt_tokens
+                    r.output_tokens = delta.completion_tokens
+                    r.error = delta.error or _failed_finish(delta.finish_reason)
+        except Exception as e:  # recorded like an HTTP failure, never lost
+            r.error = f"{type(e).__name__}: {e}"
+        r.end = time.perf_counter()
+        return check_tokens(r)
+
+    def reset_timer(self) -> None:
+        self.engine.timer.reset()
+
+    def timer_summary(self) -> dict[str, float]:
+        return self.engine.timer.summary()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,166 @@
+"""Results out: the JSON file, the table printed at the end, and the PNG plot.
+
+`python -m cllm.bench.report plot RESULTS.json... [--out PNG]` draws the plot later from JSON,
+e.g. on a machine without matplotlib, or to put several runs in one figure."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+SCHEMA = 1
+
+
+def machine_info() -> dict:
+    return {"cpu": _cpu_model(), "nproc": os.cpu_count(), "gpu": _gpu_names(),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _gpu_names() -> list[str]:
+    out = _output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+    return [line.strip() for line in out.splitlines() if line.strip()] if out else []
+
+
+def git_commit() -> str | None:
+    commit = _output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent)
+    dirty = _output(["git", "status", "--porcelain", "--untracked-files=no"],
+                    cwd=Path(__file__).resolve().parent)
+    return f"{commit.strip()}{'-dirty' if dirty and dirty.strip() else ''}" if commit else None
+
+
+def _output(cmd: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def new_report(settings: dict, tag: str | None) -> dict:
+    return {"schema": SCHEMA, "tag": tag,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([sys.executable, "-m", "cllm.bench", *sys.argv[1:]]),
+            "git_commit": git_commit(), "machine": machine_info(), "settings": settings,
+            "servers": {}, "runs": []}
+
+
+def write(report: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = report["date"].replace(":", "").replace("-", "")[:15]
+    name = f"bench-{report['tag']}-{stamp}" if report["tag"] else f"bench-{stamp}"
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+_COLUMNS = (("server", 13, "{}"), ("conc", 5, "{}"), ("ok", 4, "{}"), ("fail", 4, "{}"),
+            ("tok/s", 8, "{:.1f}"), ("req/s", 6, "{:.2f}"), ("ttft p50", 9, "{:.1f}"),
+            ("ttft p99", 9, "{:.1f}"), ("tpot p50", 9, "{:.2f}"), ("itl p50", 8, "{:.2f}"),
+            ("e2el p50", 9, "{:.0f}"))
+
+
+def table(runs: list[dict]) -> str:
+    """A compact table: one row per server and concurrency, latencies in milliseconds."""
+    lines = [" ".join(f"{name:>{width}}" for name, width, _ in _COLUMNS)]
+    for run in runs:
+        m = run["metrics"]
+        values = (run["server"], run["concurrency"], m["completed"], m["failed"],
+                  m["output_throughput"], m["request_throughput"], m["ttft_ms"]["p50"],
+                  m["ttft_ms"]["p99"], m["tpot_ms"]["p50"], m["itl_ms"]["p50"],
+                  m["e2el_ms"]["p50"])
+        lines.append(" ".join(f"{_cell(fmt, v):>{width}}"
+                              for (_, width, fmt), v in zip(_COLUMNS, values)))
+        for reason, count in m["failures"].items():
+            lines.append(f"    {count} × {reason}")
+    return "\n".join(lines)
+
+
+def _cell(fmt: str, value: object) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def plot(reports: list[dict], path: Path) -> Path | None:
+    """Output throughput and TTFT p50 against concurrency, one line per server (and run)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (draw it later with "
+              "`python -m cllm.bench.report plot RESULTS.json`)", file=sys.stderr)
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = _series(reports)
+    levels_seen = sorted({r["concurrency"] for runs in series.values() for r in runs})
+    for label, runs in series.items():
+        levels = [r["concurrency"] for r in runs]
+        left.plot(levels, [r["metrics"]["output_throughput"] for r in runs], "o-", label=label)
+        right.plot(levels, [_nan(r["metrics"]["ttft_ms"]["p50"]) for r in runs], "o-",
+                   label=label)
+    for axis, title in ((left, "output throughput (tok/s)"), (right, "TTFT p50 (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels_seen, [str(level) for level in levels_seen])
+        axis.set_ylim(bottom=0)
+        axis.set_xlabel("concurrency")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    fig.suptitle(_title(reports), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _series(reports: list[dict]) -> dict[str, list[dict]]:
+    series: dict[str, list[dict]] = {}
+    for report in reports:
+        suffix = f" ({report.get('tag') or report['date']})" if len(reports) > 1 else ""
+        for run in report["runs"]:
+            series.setdefault(run["server"] + suffix, []).append(run)
+    return {label: sorted(runs, key=lambda r: r["concurrency"]) for label, runs in series.items()}
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _title(reports: list[dict]) -> str:
+    first = reports[0]
+    s = first["settings"]
+    parts = [first["machine"].get("cpu"), ", ".join(first["machine"].get("gpu") or []),
+             f"{s.get('requests')} requests × {s.get('max_tokens')} tokens", first["date"]]
+    return " · ".join(p for p in parts if p)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cllm.bench.report")
+    commands = parser.add_subparsers(dest="command", required=True)
+    draw = commands.add_parser("plot", help="draw the PNG plot from result JSON files")
+    draw.add_argument("results", nargs="+", type=Path)
+    draw.add_argument("--out", type=Path, help="PNG path (default: beside the first JSON)")
+    args = parser.parse_args(argv)
+    reports = [json.loads(p.read_text()) for p in args.results]
+    out = args.out or args.results[0].with_suffix(".png")
+    if plot(reports, out):
+        print(out)
+
+
+if __name__ == "__main__":
+    main()

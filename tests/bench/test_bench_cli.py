@@ -1,0 +1,104 @@
+"""Argument parsing, prompts, and the llama-server command and build layout (nothing built)."""
+from pathlib import Path
+
+import pytest
+
+from cllm.bench import peer, prompts
+from cllm.bench.cli import load_settings, parse_args, server_settings
+
+
+def test_defaults():
+    args = parse_args(["--url", "http://127.0.0.1:8080"])
+    assert args.requests == 72 and args.concurrency == [1, 8, 16, 32] and args.max_tokens == 50
+    assert args.stream and args.ignore_eos and args.endpoint == "completions"
+    assert args.warmup == 4 and args.ctx_size == 8192 and args.parallel == 32
+    assert args.out == Path("bench/results") and args.model is None
+    load = load_settings(args)
+    assert load.stream and load.ignore_eos and load.max_tokens == 50
+
+
+def test_options():
+    args = parse_args(["--peer", "llama-server", "--cllm", "--concurrency", "8", "1", "8",
+                       "--no-stream", "--no-ignore-eos", "--endpoint", "chat", "--batch-size",
+                       "256", "--threads", "3", "--flash-attn", "on", "--url", "a", "--url", "b"])
+    assert args.concurrency == [1, 8] and args.parallel == 8 and args.url == ["a", "b"]
+    assert not args.stream and not args.ignore_eos and args.endpoint == "chat"
+    s = server_settings(args)
+    assert (s.batch_size, s.ubatch_size, s.threads, s.flash_attn) == (256, 256, 3, "on")
+    assert server_settings(parse_args(["--url", "u", "--ubatch-size", "64"])).ubatch_size == 64
+
+
+@pytest.mark.parametrize("argv", [[], ["--url", "u", "--concurrency", "0"],
+                                  ["--url", "u", "--prompt-tokens", "5", "--prompt-file", "f"],
+                                  ["--peer", "vllm"]])
+def test_rejected(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+def test_prompts(tmp_path):
+    synthetic = prompts.synthetic(100, 5)
+    assert len(set(synthetic)) == 5 and all(len(p.split()) == 99 for p in synthetic)
+    file = tmp_path / "p.txt"
+    file.write_text("one\n\n two \n")
+    assert prompts.from_file(file) == ["one", "two"]
+    assert prompts.for_requests(["a", "b", "c"], 4, offset=2) == ["c", "a", "b", "c"]
+
+
+def test_peer_command_matches_cllm_settings():
+    s = server_settings(parse_args(["--peer", "llama-server", "--concurrency", "4", "16",
+                                    "--ctx-size", "4096", "--threads", "2"]))
+    cmd = peer.server_command(Path("/bin/llama-server"), Path("/m.gguf"), 1234, s)
+    def flag(name: str) -> str:
+        return cmd[cmd.index(name) + 1]
+
+    assert (flag("-np"), flag("-c"), flag("-t"), flag("-b"), flag("-ub")) == (
+        "16", "4096", "2", "512", "512")
+    assert flag("--port") == "1234" and flag("-m") == "/m.gguf" and flag("-fa") == "auto"
+    assert flag("-ngl") == "all"  # cllm's -1
+    assert {"--no-repack", "--no-webui", "--kv-unified"} <= set(cmd)  # cllm's default pool
+    s.kv_unified = False
+    assert "--kv-unified" not in peer.server_command(Path("/b"), Path("/m"), 1, s)
+
+
+def test_build_dir_keyed_by_tree_and_cmake_args(monkeypatch, tmp_path):
+    monkeypatch.setenv("CLLM_CACHE_DIR", str(tmp_path))
+    cpu = peer.build_dir(tmp_path / "a", [])
+    assert cpu.parent == tmp_path and cpu.name.startswith("llama-server-build-")
+    assert cpu == peer.build_dir(tmp_path / "a", []) != peer.build_dir(tmp_path / "b", [])
+    cuda = peer.build_dir(tmp_path / "a", ["-DGGML_CUDA=on", "-DCMAKE_CUDA_ARCHITECTURES=90"])
+    assert cuda.name.startswith("llama-server-build-cuda-")
+    assert cuda != peer.build_dir(tmp_path / "a", ["-DGGML_CUDA=on"])
+
+
+def test_missing_tree_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv("CLLM_LLAMA_SOURCE", str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit, match="pip install"):
+        peer.source_tree()
+
+
+def test_ui_stub_mirror(monkeypatch, tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "tools").mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text("")
+    monkeypatch.setenv("CLLM_CACHE_DIR", str(tmp_path / "cache"))
+    mirror = peer._source_with_ui_stub(tree)
+    assert (mirror / "tools").resolve() == (tree / "tools").resolve()
+    assert "configure_file" in (mirror / "scripts" / "ui-assets.cmake").read_text()
+    assert peer._source_with_ui_stub(tree) == mirror  # a second call reuses it
+    (tree / "scripts").mkdir()
+    (tree / "scripts" / "ui-assets.cmake").write_text("")
+    assert peer._source_with_ui_stub(tree) == tree
+
+
+def test_cllm_command_parses_as_cllm_serve():
+    from cllm import serve
+    from cllm.bench.servers import cllm_command
+    s = server_settings(parse_args(["--cllm", "--concurrency", "8", "--batch-size", "256",
+                                    "--threads", "2", "--flash-attn", "off", "--kv-unified"]))
+    cmd = cllm_command("smollm2-135m-instruct", 4321, s)
+    assert cmd[1:3] == ["-m", "cllm.serve"]
+    options = serve.parse_args(cmd[3:])
+    assert (options["parallel"], options["ctx_size"], options["batch_size"],
+            options["ubatch_size"], options["threads"], options["flash_attn"],
+            options["port"], options["kv_unified"]) == (8, 8192, 256, 256, 2, "off", 4321, True)

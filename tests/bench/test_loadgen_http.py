@@ -1,0 +1,103 @@
+"""Failure accounting against a tiny HTTP server on 127.0.0.1 that answers by the prompt's text.
+
+Not a model stand-in: it exercises the load generator's handling of what servers send back."""
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from cllm.bench.loadgen import EMPTY_RESPONSE, HttpTarget, LoadSettings, first_model, run_level
+from cllm.bench.stats import summarize
+
+
+def _sse(*chunks: dict, done: bool = True) -> bytes:
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + (["data: [DONE]\n\n"] if done else [])
+    return "".join(lines).encode()
+
+
+_TEXT = {"choices": [{"index": 0, "text": "tok", "finish_reason": None}]}
+_USAGE = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # keep pytest output clean
+        pass
+
+    def do_GET(self) -> None:
+        self._send(200, "application/json", json.dumps({"data": [{"id": "fake-model"}]}).encode())
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt, stream = body["prompt"], body["stream"]
+        if prompt in ("500", "429"):
+            error = {"error": {"message": f"status {prompt}", "code": int(prompt)}}
+            self._send(int(prompt), "application/json", json.dumps(error).encode())
+        elif prompt == "empty":
+            self._send(200, "text/event-stream", _sse({**_USAGE, "usage": {"completion_tokens": 0}})
+                       if stream else json.dumps({"choices": [{"text": ""}],
+                                                  "usage": {"completion_tokens": 0}}).encode())
+        elif prompt == "cut" and stream:
+            self._send(200, "text/event-stream", _sse(_TEXT, done=False))
+        elif stream:
+            self._send(200, "text/event-stream", _sse(_TEXT, _TEXT, _USAGE))
+        else:
+            self._send(200, "application/json", json.dumps(
+                {"choices": [{"text": "toktok", "finish_reason": "length"}], "usage": _USAGE["usage"]}
+            ).encode())
+
+    def _send(self, status: int, content_type: str, payload: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+async def _run(url: str, prompts: list[str], stream: bool, concurrency: int = 3):
+    async with httpx.AsyncClient(timeout=10) as client:
+        target = HttpTarget(url, await first_model(client, url), LoadSettings(stream=stream), client)
+        assert target.model == "fake-model"
+        return await run_level(target.send, prompts, concurrency)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_request_ends_in_tokens_or_a_reason(url, stream):
+    prompts = ["ok", "500", "ok", "429", "empty", "ok", "cut"]
+    results, duration = asyncio.run(_run(url, prompts, stream))
+    assert len(results) == len(prompts) and duration > 0
+    by_prompt = dict(zip(prompts, results))
+    assert by_prompt["500"].error == "HTTP 500: status 500"
+    assert by_prompt["429"].error == "HTTP 429: status 429"
+    assert by_prompt["empty"].error == EMPTY_RESPONSE
+    assert by_prompt["ok"].ok and by_prompt["ok"].output_tokens == 2
+    metrics = summarize(results, duration)
+    assert metrics["completed"] + metrics["failed"] == len(prompts)
+    assert metrics["total_output_tokens"] == 2 * metrics["completed"]
+    if stream:
+        assert by_prompt["cut"].error == "stream ended without [DONE]"
+        assert metrics["completed"] == 3
+    else:
+        assert metrics["completed"] == 4  # "cut" is an ordinary answer without streaming
+
+
+def test_connection_refused_is_recorded():
+    async def run():
+        async with httpx.AsyncClient() as client:
+            target = HttpTarget("http://127.0.0.1:9", "m", LoadSettings(), client)
+            return await run_level(target.send, ["x"], 1)
+
+    results, _ = asyncio.run(run())
+    assert results[0].error.startswith("ConnectError")
