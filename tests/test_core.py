@@ -1,0 +1,263 @@
+"""cllm._core with the real models: loading, tokens, the batch step, sampling, KV bookkeeping."""
+import math
+import threading
+import time
+from array import array
+
+import pytest
+
+from cllm import _core
+from cllm.textstream import TextStream
+
+PROMPTS = ["1+1=", "2+2=", "3+3=", "The capital of France is", "Once upon a time",
+           "def fibonacci(n):", "Water boils at", "My favourite colour is"]
+
+
+# On the CPU a sequence's logits do not depend on its batch (each sequence attends over its own
+# KV cells); llama.cpp's CUDA kernels pick different matmul paths by batch size, so on a GPU
+# build a greedy continuation may differ in the last bits and then in a token.
+ON_GPU_NOT_BATCH_INVARIANT = pytest.mark.xfail(
+    _core.supports_gpu_offload(), strict=False,
+    reason="llama.cpp's CUDA kernels are not batch-invariant")
+
+
+def ints(values):
+    return array("i", values)
+
+
+@pytest.fixture(scope="module")
+def ctx(model):
+    return _core.Context(model, n_ctx=16 * 512, n_seq_max=16, n_batch=512, kv_unified=False)
+
+
+def generate_together(ctx, model, prompts, n_tokens, seq_ids=None):
+    """Greedy continuations of all prompts decoded in shared batches; removes the sequences."""
+    seq_ids = seq_ids or list(range(len(prompts)))
+    prompt_tokens = [model.tokenize(p) for p in prompts]
+    for seq_id in seq_ids:
+        ctx.set_sampler(seq_id)  # greedy
+    flat = [t for tokens in prompt_tokens for t in tokens]
+    last = ctx.step(ints(seq_ids), ints([0] * len(prompts)), ints([len(t) for t in prompt_tokens]),
+                    ints([1] * len(prompts)), ints(flat))
+    outputs = [[t] for t in last]
+    positions = [len(t) for t in prompt_tokens]
+    for _ in range(n_tokens - 1):
+        last = ctx.step(ints(seq_ids), ints(positions), ints([1] * len(prompts)),
+                        ints([1] * len(prompts)), last)
+        for out, token in zip(outputs, last):
+            out.append(token)
+        positions = [p + 1 for p in positions]
+    for seq_id in seq_ids:
+        ctx.remove_sequence(seq_id)
+    return outputs
+
+
+def test_model_facts(model):
+    assert model.n_vocab == 49152
+    assert model.n_ctx_train == 8192
+    assert model.is_eog(model.eos_token)
+    assert not model.is_eog(model.tokenize("hello", add_special=False)[0])
+    assert "<|im_start|>" in model.chat_template
+    assert model.metadata["general.architecture"] == "llama"
+
+
+def test_tokenize_round_trip(model):
+    text = "Hello, world! Ünïcödé and 日本語 and emoji 🎉."
+    tokens = model.tokenize(text, add_special=False)
+    assert model.detokenize(tokens) == text
+    special = model.tokenize("<|im_start|>user", add_special=False, parse_special=True)
+    assert len(special) < len(model.tokenize("<|im_start|>user", add_special=False))
+
+
+def test_utf8_split_across_tokens_round_trips(model):
+    text = "Grüße 🎉🚀 日本語のテキスト ✓"
+    tokens = model.tokenize(text, add_special=False)
+    pieces = [model.token_to_piece(t) for t in tokens]
+    split = [p for p in pieces if not _valid_utf8(p)]
+    assert split, "the test needs a character that spans tokens"
+    stream = TextStream()
+    emitted = [stream.feed(p) for p in pieces]
+    assert all("\ufffd" not in e for e in emitted)
+    assert "".join(emitted) + stream.flush() == text
+
+
+def _valid_utf8(data):
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_three_in_a_row_then_five_at_once_are_independent(ctx, model):
+    alone = {p: generate_together(ctx, model, [p], 12)[0] for p in PROMPTS[:5]}
+    for p in PROMPTS[:3]:  # the seed server's failure: the 2nd request failed, the 3rd crashed
+        assert generate_together(ctx, model, [p], 12)[0] == alone[p]
+    together = generate_together(ctx, model, PROMPTS[:5], 12)
+    assert together == [alone[p] for p in PROMPTS[:5]]
+    assert "2" in model.detokenize(alone["1+1="])
+    assert len({tuple(v) for v in alone.values()}) == 5
+
+
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_greedy_alone_equals_greedy_among_fifteen_others(ctx, model):
+    target = "The capital of France is"
+    alone = generate_together(ctx, model, [target], 32)[0]
+    others = [f"Story number {i}: the" for i in range(15)]
+    crowded = generate_together(ctx, model, others + [target], 32)
+    assert crowded[-1] == alone
+    assert "Paris" in model.detokenize(alone)
+
+
+def test_removed_ids_are_reused_with_clean_state(ctx, model):
+    first = generate_together(ctx, model, ["Once upon a time"], 8, seq_ids=[7])[0]
+    generate_together(ctx, model, ["Water boils at"], 8, seq_ids=[7])
+    assert generate_together(ctx, model, ["Once upon a time"], 8, seq_ids=[7])[0] == first
+
+
+def test_thousand_sequences_leave_no_kv_cells(ctx, model):
+    tokens = model.tokenize("A short prompt for the churn test")
+    for i in range(1000):
+        seq_id = i % ctx.n_seq_max
+        ctx.set_sampler(seq_id)
+        last = ctx.step(ints([seq_id]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+        ctx.step(ints([seq_id]), ints([len(tokens)]), ints([1]), ints([1]), last)
+        assert ctx.seq_pos_max(seq_id) == len(tokens)
+        ctx.remove_sequence(seq_id)
+    assert ctx.kv_cells_used() == 0
+    assert all(ctx.seq_pos_max(s) == -1 for s in range(ctx.n_seq_max))
+
+
+def test_seeded_sampling_is_reproducible(ctx, model):
+    def sample(seed):
+        ctx.set_sampler(3, temperature=1.0, top_p=0.95, top_k=50, seed=seed)
+        tokens = model.tokenize("Once upon a time")
+        last = ctx.step(ints([3]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+        out = [last[0]]
+        for pos in range(len(tokens), len(tokens) + 24):
+            last = ctx.step(ints([3]), ints([pos]), ints([1]), ints([1]), last)
+            out.append(last[0])
+        ctx.remove_sequence(3)
+        return out
+
+    assert sample(42) == sample(42)
+    assert sample(42) != sample(43)
+
+
+def test_penalties_change_greedy_output(ctx, model):
+    tokens = model.tokenize("Repeat after me: la la la la la la la")
+
+    def greedy(**kw):
+        ctx.set_sampler(4, temperature=0.0, history=tokens, **kw)
+        last = ctx.step(ints([4]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+        out = [last[0]]
+        for pos in range(len(tokens), len(tokens) + 10):
+            last = ctx.step(ints([4]), ints([pos]), ints([1]), ints([1]), last)
+            out.append(last[0])
+        ctx.remove_sequence(4)
+        return out
+
+    assert greedy() != greedy(repeat_penalty=1.8, presence_penalty=1.5)
+
+
+def test_logprobs(ctx, model):
+    tokens = model.tokenize("The capital of France is")
+    ctx.set_sampler(5)
+    sampled, lp = ctx.step(ints([5]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
+                           ints([5]))
+    ctx.remove_sequence(5)
+    chosen, top = lp.row(0)
+    assert len(top) == 5
+    assert top[0][0] == sampled[0] and math.isclose(top[0][1], chosen, abs_tol=1e-5)
+    assert [t[1] for t in top] == sorted((t[1] for t in top), reverse=True)
+    assert 0.0 < sum(math.exp(t[1]) for t in top) <= 1.0 + 1e-5
+
+
+def test_prefill_chunks_without_sampling_return_minus_one(ctx, model):
+    tokens = model.tokenize("The capital of France is")
+    ctx.set_sampler(6)
+    first = ctx.step(ints([6]), ints([0]), ints([3]), ints([0]), ints(tokens[:3]))
+    assert list(first) == [-1]
+    rest = ctx.step(ints([6]), ints([3]), ints([len(tokens) - 3]), ints([1]), ints(tokens[3:]))
+    ctx.remove_sequence(6)
+    whole = generate_together(ctx, model, ["The capital of France is"], 1)[0]
+    assert list(rest) == whole
+
+
+def test_bad_rows_raise_value_errors(ctx, model):
+    with pytest.raises(ValueError, match="seq_id"):
+        ctx.step(ints([99]), ints([0]), ints([1]), ints([1]), ints([1]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        ctx.step(ints([0]), ints([0]), ints([1]), ints([1]), ints([10**6]))
+    with pytest.raises(ValueError, match="tokens"):
+        ctx.step(ints([0]), ints([0]), ints([2]), ints([1]), ints([1]))
+    assert ctx.kv_cells_used() == 0
+
+
+def test_each_sequence_owns_its_share_unless_unified(ctx, model):
+    assert (ctx.n_ctx, ctx.n_ctx_seq, ctx.kv_unified) == (8192, 512, False)
+    unified = _core.Context(model, n_ctx=1024, n_seq_max=4, n_batch=64)
+    assert (unified.n_ctx, unified.n_ctx_seq, unified.kv_unified) == (1024, 1024, True)
+
+
+def test_batch_that_does_not_fit_the_cache_is_kv_full(model):
+    small = _core.Context(model, n_ctx=256, n_seq_max=2, n_batch=256, kv_unified=True)
+    tokens = model.tokenize("word " * 200, add_special=False)[:200]
+    small.step(ints([0]), ints([0]), ints([200]), ints([0]), ints(tokens))
+    with pytest.raises(_core.KVCacheFullError):
+        small.step(ints([1]), ints([0]), ints([200]), ints([1]), ints(tokens))
+    assert small.kv_cells_used() == 200  # the failed batch wrote nothing
+
+
+def test_gil_is_released_during_a_long_prefill(model):
+    big = _core.Context(model, n_ctx=2048, n_seq_max=1, n_batch=2048, n_ubatch=512)
+    tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 140)[:1500]
+    ticks, stop = [], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    big.step(ints([0]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+    end = time.perf_counter()
+    stop.set()
+    thread.join()
+    during = sum(1 for t in ticks if start < t < end)
+    assert during > 1000, f"the other thread ran {during} times in {end - start:.3f} s"
+
+
+@pytest.mark.parametrize("content, reason", [
+    (None, "no such file"),
+    (b"NOTGGUF" + bytes(100), "not a GGUF file"),
+])
+def test_bad_model_files_raise(tmp_path, content, reason):
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(_core.ModelLoadError, match=reason) as info:
+        _core.Model(path)
+    assert str(path) in str(info.value)
+
+
+def test_truncated_model_raises(tmp_path, model_path):
+    path = tmp_path / "truncated.gguf"
+    with open(model_path, "rb") as f:
+        path.write_bytes(f.read(5_000_000))
+    with pytest.raises(_core.ModelLoadError, match="could not load") as info:
+        _core.Model(path)
+    assert str(path) in str(info.value)
+
+
+def test_gemma3_generates(gemma_path):
+    gemma = _core.Model(gemma_path)
+    assert gemma.metadata["general.architecture"] == "gemma3"
+    gctx = _core.Context(gemma, n_ctx=1024, n_seq_max=4, n_batch=256, kv_unified=False)
+    out = generate_together(gctx, gemma, ["The capital of France is", "1, 2, 3, 4,"], 12)
+    assert "Paris" in gemma.detokenize(out[0])
+    assert "5" in gemma.detokenize(out[1])
+    assert gctx.kv_cells_used() == 0

@@ -1,0 +1,195 @@
+"""The engine with the real default model: continuous batching end to end, no HTTP."""
+import asyncio
+import random
+
+import pytest
+
+from cllm import _core
+from cllm.config import EngineConfig, SamplingParams
+from cllm.engine import Engine, PromptTooLongError
+from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+
+ON_GPU_NOT_BATCH_INVARIANT = pytest.mark.xfail(
+    _core.supports_gpu_offload(), strict=False,
+    reason="llama.cpp's CUDA kernels are not batch-invariant (see test_core)")
+MAX_TOKENS = 12
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+               "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+               "<|im_start|>assistant\n")
+PROMPTS = [f"Question {i}: what is {i} plus {i % 7}? Answer:" for i in range(72)]
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    # Split KV: each sequence attends over its own cells, which makes greedy output independent
+    # of the batch on the CPU (what the seed matrix asserts).
+    eng = Engine(EngineConfig(n_ctx=32 * 256, n_parallel=32, n_batch=512, n_threads=2,
+                              kv_unified=False), model_path)
+    yield eng
+    eng.shutdown()
+
+
+async def run(engine, prompt, **sampling):
+    """(text, token ids, final delta) of one request."""
+    stream = engine.submit(engine.model.tokenize(prompt), SamplingParams(**sampling))
+    text, tokens = "", []
+    async for delta in stream:
+        text += delta.text
+        tokens += delta.token_ids
+    return text, tokens, delta
+
+
+async def run_many(engine, prompts, concurrency, **sampling):
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt):
+        async with gate:
+            return await run(engine, prompt, **sampling)
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def assert_idle(engine):
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert sorted(engine.scheduler.free_seq_ids) == list(range(engine.config.n_parallel))
+    assert engine.scheduler.kv_used == 0
+    assert engine.ctx.kv_cells_used() == 0
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Each prompt's greedy continuation when it runs by itself."""
+    async def all_alone():
+        return [await run(engine, p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+                for p in PROMPTS]
+    return asyncio.run(all_alone())
+
+
+@pytest.mark.parametrize("concurrency", [8, 16, 24, 32])
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_seed_matrix_every_request_completes_with_its_solo_text(engine, alone, concurrency):
+    results = asyncio.run(run_many(engine, PROMPTS, concurrency, max_tokens=MAX_TOKENS,
+                                   temperature=0, ignore_eos=True))
+    for (text, tokens, final), (solo_text, solo_tokens, _) in zip(results, alone):
+        assert final.finish_reason == FINISH_LENGTH and final.error is None
+        assert final.completion_tokens == len(tokens) == MAX_TOKENS
+        assert tokens == solo_tokens and text == solo_text
+    assert_idle(engine)
+
+
+def test_stop_string_spanning_tokens_is_not_emitted(engine):
+    text, tokens, _ = asyncio.run(run(engine, "The capital of France is", max_tokens=20,
+                                      temperature=0))
+    assert "Paris" in text
+    stop = "aris"  # starts inside a token
+    cut, _, final = asyncio.run(run(engine, "The capital of France is", max_tokens=20,
+                                    temperature=0, stop=(stop,)))
+    assert final.finish_reason == FINISH_STOP
+    assert cut == text[:text.index(stop)]
+
+
+def collect(engine, tokens, **sampling):
+    """Every delta of one request."""
+    async def drain():
+        return [d async for d in engine.submit(tokens, SamplingParams(**sampling))]
+    return asyncio.run(drain())
+
+
+def test_end_of_generation_token_stops_a_chat_reply(engine):
+    deltas = collect(engine, engine.model.tokenize(CHAT_PROMPT, parse_special=True),
+                     max_tokens=200, temperature=0)
+    assert deltas[-1].finish_reason == FINISH_STOP
+    assert deltas[-1].completion_tokens < 200
+    assert engine.model.is_eog(deltas[-1].token_ids[-1])
+
+
+def test_logprobs_arrive_with_each_token(engine):
+    _, tokens, _ = asyncio.run(run(engine, "Hello", max_tokens=4, temperature=0))
+    deltas = collect(engine, engine.model.tokenize("Hello"), max_tokens=4, temperature=0,
+                     logprobs=3)
+    entries = [lp for d in deltas for lp in d.logprobs]
+    assert [e.token_id for e in entries] == tokens
+    assert all(len(e.top) == 3 and e.top[0][0] == e.token_id for e in entries)
+
+
+def test_abort_mid_stream_frees_its_seq_id_within_a_step(engine):
+    async def scenario():
+        stream = engine.submit(engine.model.tokenize("Count: one, two,"),
+                               SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        async for delta in stream:
+            if delta.token_ids:
+                break
+        seq = stream.seq
+        held = seq.seq_id
+        assert held is not None and held not in engine.scheduler.free_seq_ids
+        stream.abort()
+        final = await stream.__anext__()
+        while final.finish_reason is None:
+            final = await stream.__anext__()
+        return seq, final
+
+    seq, final = asyncio.run(scenario())
+    assert final.finish_reason == FINISH_ABORT
+    assert seq.num_output_tokens < 500
+    assert_idle(engine)
+
+
+def test_prompt_longer_than_a_sequence_context_is_refused(engine):
+    async def scenario():
+        return engine.submit(list(range(100, 100 + engine.ctx.n_ctx_seq)), SamplingParams())
+
+    with pytest.raises(PromptTooLongError):
+        asyncio.run(scenario())
+
+
+def test_thousand_requests_leave_nothing_behind(engine):
+    rng = random.Random(7)
+    prompts = [f"Item {i}: {'word ' * rng.randint(1, 20)}" for i in range(1000)]
+
+    async def scenario():
+        gate = asyncio.Semaphore(48)
+
+        async def one(i, prompt):
+            async with gate:
+                return await run(engine, prompt, max_tokens=rng.randint(1, 4),
+                                 temperature=rng.choice([0.0, 0.8]), seed=i, ignore_eos=True)
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(scenario())
+    assert all(final.finish_reason == FINISH_LENGTH and tokens for _, tokens, final in results)
+    assert_idle(engine)
+
+
+def test_tiny_unified_cache_completes_everything_through_preemption(model_path):
+    # 8 sequences of ~30 prompt + 48 generated tokens need ~620 cells; the cache has 256.
+    small = Engine(EngineConfig(n_ctx=256, n_parallel=8, n_batch=128, n_threads=2,
+                                kv_unified=True), model_path)
+    try:
+        results = asyncio.run(run_many(small, PROMPTS[:8], 8, max_tokens=48, temperature=0,
+                                       ignore_eos=True))
+        assert all(final.finish_reason == FINISH_LENGTH and len(tokens) == 48
+                   for _, tokens, final in results)
+        assert small.scheduler.num_preemptions > 0
+        assert_idle(small)
+    finally:
+        small.shutdown()
+
+
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_decode_runs_in_c_give_the_same_tokens_and_stop_at_eog(model_path, alone):
+    multi = Engine(EngineConfig(n_ctx=16 * 256, n_parallel=16, n_batch=512, n_threads=2,
+                                decode_steps=5, kv_unified=False), model_path)
+    try:
+        assert multi.decode_steps == 5
+        results = asyncio.run(run_many(multi, PROMPTS[:16], 16, max_tokens=MAX_TOKENS,
+                                       temperature=0, ignore_eos=True))
+        assert [tokens for _, tokens, _ in results] == [tokens for _, tokens, _ in alone[:16]]
+        assert multi.timer.steps < 16 * MAX_TOKENS  # runs did happen
+        deltas = collect(multi, multi.model.tokenize(CHAT_PROMPT, parse_special=True),
+                         max_tokens=200, temperature=0)
+        assert deltas[-1].finish_reason == FINISH_STOP
+        assert multi.model.is_eog(deltas[-1].token_ids[-1])
+        assert_idle(multi)
+    finally:
+        multi.shutdown()

@@ -1,0 +1,828 @@
+"""The HTTP server end to end: real `python -m cllm.serve` processes with the real default model,
+driven by the official openai client and raw HTTP (httpx). No mocks.
+
+Servers with the same options are shared (module-scoped fixtures); the ones that a test stops
+or configures specially are started inside that test."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_process import ServerProcess
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "Once upon a time, in a small village by the sea,"
+CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
+LONG = 1500  # max_tokens of a request meant to run until something else stops it
+
+
+# ---- fixtures and helpers ----
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def limits():
+    """A small context (256 cells, all for one sequence) and a small body limit."""
+    with ServerProcess("--ctx-size", "256", "--parallel", "1", "--max-body-bytes", "4096") as srv:
+        yield srv
+
+
+def sse_payloads(body: bytes) -> list:
+    """The JSON payloads of an SSE body, checking its framing: only `data: <json>\\n\\n`
+    events, the last of them `data: [DONE]\\n\\n`."""
+    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+    events = body.split(b"\n\n")
+    assert events.pop() == b""
+    for event in events:
+        assert event.startswith(b"data: ") and b"\n" not in event, event
+    payloads = [event[len(b"data: "):] for event in events]
+    assert payloads.pop() == b"[DONE]"
+    assert b"[DONE]" not in payloads
+    return [json.loads(p) for p in payloads]
+
+
+def post_stream(http: httpx.Client, path: str, body: dict) -> tuple[httpx.Response, bytes]:
+    with http.stream("POST", path, json=body) as r:
+        return r, r.read()
+
+
+def assert_error(response: httpx.Response, status: int, *, generate: bool = False,
+                 type_: str | None = None, code: str | None = None) -> dict:
+    """An error response: the status, and {"error": {"message", "type", "code"}} (with
+    "success": false for /generate, the original API)."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == ({"success", "error"} if generate else {"error"}), body
+    if generate:
+        assert body["success"] is False
+    error = body["error"]
+    assert {"message", "type", "code"} <= set(error), error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if type_ is not None:
+        assert error["type"] == type_, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def metrics(http_or_url) -> dict[str, float]:
+    """Every sample of GET /metrics, keyed `name{label="value",...}` (labels sorted)."""
+    if isinstance(http_or_url, str):
+        r = httpx.get(http_or_url + "/metrics", timeout=30)
+    else:
+        r = http_or_url.get("/metrics")
+    assert r.status_code == 200
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_for_metric(url: str, name: str, predicate, timeout: float = 10.0) -> float:
+    """Poll /metrics until predicate(value of name) holds; the last value either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metrics(url).get(name)
+        if (value is not None and predicate(value)) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def n_tokens(http: httpx.Client, text: str) -> int:
+    r = http.post("/tokenize", json={"content": text, "add_special": True})
+    assert r.status_code == 200
+    return len(r.json()["tokens"])
+
+
+# ---- the openai client ----
+
+def test_completion(client, http):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == MODEL and r.id
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.finish_reason == "length"
+    assert isinstance(choice.text, str) and choice.text.strip()
+    assert r.usage.prompt_tokens == n_tokens(http, PROMPT)
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_completion_stops_at_eos_without_ignore_eos(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0)
+    (choice,) = r.choices
+    assert choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 64
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 64
+
+
+def test_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL and r.id
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 5  # the template's tokens and the message's
+    assert 1 <= r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_matches_the_whole_response(client):
+    args = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    usage_chunk = chunks.pop()
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.model_dump() == whole.usage.model_dump()
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks)
+    reasons = [c.choices[0].finish_reason for c in chunks]
+    assert reasons[-1] == whole.choices[0].finish_reason and set(reasons[:-1]) == {None}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+
+
+def test_completion_stream_matches_the_whole_response(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True))
+    assert all(c.object == "text_completion" for c in chunks)
+    reasons = [c.choices[0].finish_reason for c in chunks]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_n_choices_share_one_prompt(client, http):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0,
+                                  seed=11, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.choices[0].text != r.choices[1].text  # one seed, yet the choices differ
+    assert r.usage.prompt_tokens == n_tokens(http, PROMPT)  # counted once, not twice
+    assert r.usage.completion_tokens == 12
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2,
+                                          extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    single = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert chat.usage.prompt_tokens == single.usage.prompt_tokens
+    assert chat.usage.completion_tokens == 12
+
+    stream = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, n=2, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True}))
+    finished = [ch.index for c in stream for ch in c.choices if ch.finish_reason]
+    assert sorted(finished) == [0, 1]
+    assert stream[-1].usage.completion_tokens == 8
+
+
+def test_stop_string(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    full = client.completions.create(**args).choices[0].text
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[len(words) // 2]
+    r = client.completions.create(**args, stop=[stop, "never-generated-xyz"])
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop"
+    assert choice.text == full[:full.index(stop)]
+    assert stop not in choice.text
+
+    chat_args = dict(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    full = client.chat.completions.create(**chat_args).choices[0].message.content
+    stop = full.split()[min(2, len(full.split()) - 1)]
+    r = client.chat.completions.create(**chat_args, stop=stop)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:full.index(stop)]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    (choice,) = r.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0.0
+        assert 1 <= len(top) <= 3 and all(v <= 0.0 for v in top.values())
+        # Greedy: the chosen token is the most likely one.
+        assert token in top and top[token] == pytest.approx(max(top.values()), abs=1e-4)
+        assert logprob == pytest.approx(top[token], abs=1e-4)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    (choice,) = r.choices
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == choice.message.content
+    for entry in content:
+        assert entry.logprob <= 0.0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        first, second = entry.top_logprobs
+        assert first.logprob >= second.logprob
+        assert first.token == entry.token
+        assert first.logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_seed_reproduces_sampling(client):
+    def sample(seed, chat=False):
+        if chat:
+            r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                               temperature=1.0, seed=seed,
+                                               extra_body={"ignore_eos": True})
+            return r.choices[0].message.content
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                      seed=seed, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+    assert sample(99, chat=True) == sample(99, chat=True)
+
+
+def test_openai_client_raises_on_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert info.value.status_code == 400
+    assert info.value.body["type"] == "invalid_request_error"
+    assert "max_tokens" in info.value.body["message"]
+
+
+# ---- /generate, the original API ----
+
+def test_generate(http):
+    body = {"prompt": PROMPT, "max_tokens": 7, "temperature": 0.0, "ignore_eos": True}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200
+    result = r.json()
+    assert result.keys() == {"success", "data"} and result["success"] is True
+    data = result["data"]
+    assert data.keys() == {"text", "generated_tokens", "finish_reason"}
+    assert data["generated_tokens"] == 7 and data["finish_reason"] == "length"
+    assert isinstance(data["text"], str) and data["text"].strip()
+
+    # With the original fields only; the defaults apply (max_tokens 16).
+    r = http.post("/generate", json={"prompt": PROMPT, "temperature": 0.7, "top_p": 0.9,
+                                     "top_k": 40, "stream": False})
+    assert r.status_code == 200 and 1 <= r.json()["data"]["generated_tokens"] <= 16
+
+    # Streamed: each event carries the new text and the count so far.
+    response, raw = post_stream(http, "/generate", {**body, "stream": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_payloads(raw)
+    assert all(e["success"] is True and e.keys() == {"success", "data"} for e in events)
+    counts = [e["data"]["generated_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 7
+    assert [e["data"]["finish_reason"] for e in events][-1] == "length"
+    assert all(e["data"]["finish_reason"] is None for e in events[:-1])
+    assert "".join(e["data"]["text"] for e in events) == data["text"]
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "Hi", "max_tokens": 0}',
+    b'{"prompt": "Hi", "max_tokens": "10"}',
+    b'{"prompt": "Hi", "max_tokens": 100000000}',
+    b'{"prompt": ""}',
+    b'{"max_tokens": 5}',
+    b'{"prompt": "Hi", "temperature": "hot"}',
+    b'{"prompt": "Hi", "top_p": 2}',
+    b'{"prompt": "Hi", "top_k": -1}',
+    b'{"prompt": "Hi", "stream": 1}',
+    b'{"prompt": "Hi",',
+    b'["Hi"]',
+])
+def test_generate_failure(http, body):
+    r = http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400, generate=True, type_="invalid_request_error")
+
+
+def test_generate_failure_when_streaming(http):
+    r = http.post("/generate", json={"prompt": "Hi", "stream": True, "max_tokens": -1})
+    assert_error(r, 400, generate=True)
+
+
+# ---- SSE framing, raw bytes ----
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+])
+def test_sse_framing(http, path, body):
+    body = {**body, "max_tokens": 5, "ignore_eos": True, "stream": True}
+    response, raw = post_stream(http, path, body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_payloads(raw)
+    assert events and all("usage" not in e or e["usage"] is None for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+    response, raw = post_stream(http, path, {**body, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    events = sse_payloads(raw)
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(not e.get("usage") for e in events[:-1])
+
+
+# ---- errors ----
+
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "Hi",'),
+    ("/v1/completions", b""),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", b'{"prompt": "\xff"}'),
+    ("/v1/completions", b'{"prompt": "Hi", "temperature": NaN}'),
+    ("/v1/completions", b'{"prompt": 5}'),
+    ("/v1/completions", b'{"prompt": [1000000000]}'),
+    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": "10"}'),
+    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": true}'),
+    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 0}'),
+    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 100000000}'),
+    ("/v1/completions", b'{"prompt": "Hi", "temperature": -1}'),
+    ("/v1/completions", b'{"prompt": "Hi", "top_p": 1.5}'),
+    ("/v1/completions", b'{"prompt": "Hi", "n": 0}'),
+    ("/v1/completions", b'{"prompt": "Hi", "n": 1000}'),
+    ("/v1/completions", b'{"prompt": "Hi", "logprobs": 100}'),
+    ("/v1/completions", b'{"prompt": "Hi", "stream": "yes"}'),
+    ("/v1/completions", b'{"prompt": "Hi", "stop": 5}'),
+    ("/v1/completions", b'{"prompt": "Hi", "seed": "x"}'),
+    ("/v1/chat/completions", b'{"messages": '),
+    ("/v1/chat/completions", b'{"messages": "Hi"}'),
+    ("/v1/chat/completions", b'{"messages": []}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "Hi"}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                             b'"max_tokens": -1}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                             b'"top_logprobs": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                             b'"stream": true, "temperature": 1000}'),
+    ("/tokenize", b'{"content": 5}'),
+    ("/tokenize", b"{}"),
+    ("/detokenize", b'{"tokens": "Hi"}'),
+    ("/detokenize", b'{"tokens": [-1]}'),
+    ("/detokenize", b'{"tokens": [1000000000]}'),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD_REQUESTS)
+def test_bad_request(http, path, body):
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400, type_="invalid_request_error")
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/nowhere", 404), ("POST", "/v1/nowhere", 404), ("GET", "/v1/completions", 405),
+    ("POST", "/health", 405),
+])
+def test_unknown_route(http, method, path, status):
+    assert_error(http.request(method, path), status)
+
+
+def test_prompt_longer_than_the_context(limits):
+    long_text = "hello " * 300  # about 300 tokens; the context holds 256
+    with httpx.Client(base_url=limits.url, timeout=60) as http:
+        for path, body, generate in [
+            ("/v1/completions", {"prompt": long_text, "max_tokens": 1}, False),
+            ("/v1/completions", {"prompt": [1] * 300, "max_tokens": 1, "stream": True}, False),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}],
+                                      "max_tokens": 1}, False),
+            ("/generate", {"prompt": long_text, "max_tokens": 1}, True),
+        ]:
+            error = assert_error(http.post(path, json=body), 400, generate=generate)
+            assert error["code"] == "context_length_exceeded", error
+        # max_tokens is bounded by the context too
+        assert_error(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 257}), 400)
+        # the same server still answers a prompt that fits
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_body_too_large(limits):
+    big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
+    with httpx.Client(base_url=limits.url, timeout=60) as http:
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            assert_error(http.post(path, content=big), 413)
+        assert_error(http.post("/generate", content=big), 413, generate=True)
+        # Without a Content-Length (chunked), the limit holds while reading.
+        chunks = iter([big[i:i + 1000] for i in range(0, len(big), 1000)])
+        assert_error(http.post("/v1/completions", content=chunks), 413)
+        # Just under the limit is fine.
+        body = json.dumps({"content": "x" * 3900}).encode()
+        assert len(body) < 4096
+        r = http.post("/tokenize", content=body)
+        assert r.status_code == 200 and r.json()["tokens"]
+
+
+def test_request_timeout():
+    body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
+    with ServerProcess("--request-timeout", "0.5") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        assert_error(http.post("/v1/completions", json=body), 408, code="request_timeout")
+        assert_error(http.post("/generate", json=body), 408, generate=True,
+                     code="request_timeout")
+        # Streamed: 408 if the deadline passes before the first token, else an error event.
+        response, raw = post_stream(http, "/v1/chat/completions",
+                                    {**body, "messages": CHAT, "stream": True})
+        if response.status_code == 200:
+            events = sse_payloads(raw)
+            assert events[-1]["error"]["code"] == "request_timeout", events[-1]
+            assert all("error" not in e for e in events[:-1])
+        else:
+            assert response.status_code == 408
+            assert json.loads(raw)["error"]["code"] == "request_timeout"
+        assert metrics(http)['cllm_request_failure_total{code="408"}'] == 3  # each once
+
+
+def test_api_key():
+    with ServerProcess("--api-key", "s3cret") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        routes = [
+            ("GET", "/v1/models", None), ("GET", "/metrics", None),
+            ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+            ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+            ("POST", "/generate", {"prompt": "Hi", "max_tokens": 1}),
+            ("POST", "/tokenize", {"content": "Hi"}),
+            ("POST", "/detokenize", {"tokens": [1]}),
+        ]
+        for method, path, body in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                            {"Authorization": "Bearer s3cret2"},
+                            {"Authorization": "Bearer S3CRET"}, {"X-Api-Key": "s3cret"}):
+                r = http.request(method, path, json=body, headers=headers)
+                assert_error(r, 401, generate=path == "/generate",
+                             type_="authentication_error")
+                assert r.headers.get("www-authenticate") == "Bearer"
+            r = http.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200, (path, r.text)
+        assert_error(http.get("/nowhere"), 401)  # routes that do not exist are refused too
+        assert http.get("/health").status_code == 200  # no key needed
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0) as good:
+            assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_queue_full_is_429_with_retry_after():
+    """One sequence at a time and one waiting: with one running and one queued, the next
+    request is refused at once."""
+    with ServerProcess("--parallel", "1", "--max-queue", "1") as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        long_body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json={**long_body, "stream": True}) as holder:
+            assert holder.status_code == 200
+            events = holder.iter_raw()  # kept: a collected iterator closes the connection
+            next(events)  # it runs
+            queued: dict = {}
+            waiter = threading.Thread(target=lambda: queued.update(r=httpx.post(
+                srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3,
+                                                   "ignore_eos": True}, timeout=120)))
+            waiter.start()
+            assert wait_for_metric(srv.url, "cllm_requests_waiting", lambda v: v == 1) == 1
+            for path, body, generate in [
+                ("/v1/completions", {"prompt": "Hi", "max_tokens": 3}, False),
+                ("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True}, False),
+                ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3}, False),
+                ("/generate", {"prompt": "Hi", "max_tokens": 3}, True),
+            ]:
+                r = http.post(path, json=body)
+                assert_error(r, 429, generate=generate, code="server_overloaded")
+                assert int(r.headers["retry-after"]) >= 1
+        # The holder is gone: the queued request runs and succeeds.
+        waiter.join(60)
+        assert queued["r"].status_code == 200, queued["r"].text
+        assert queued["r"].json()["usage"]["completion_tokens"] == 3
+        assert metrics(http)['cllm_request_failure_total{code="429"}'] == 4
+
+
+# ---- health, loading, shutdown ----
+
+def test_health_is_200_only_when_a_completion_succeeds():
+    srv = ServerProcess().spawn()
+    try:
+        deadline, health = time.monotonic() + 120, None
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60) as http:
+            while time.monotonic() < deadline:
+                assert srv.proc.poll() is None, srv.log
+                try:
+                    health = http.get("/health")
+                except httpx.TransportError:
+                    time.sleep(0.02)
+                    continue
+                if health.status_code == 200:
+                    break
+                assert_error(health, 503, code="model_not_ready")
+                # Still loading, unless it finished in between.
+                r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+                if r.status_code != 200:
+                    assert_error(r, 503, code="model_not_ready")
+                r = http.post("/generate", json={"prompt": "Hi", "max_tokens": 1})
+                if r.status_code != 200:
+                    assert_error(r, 503, generate=True, code="model_not_ready")
+            assert health is not None and health.status_code == 200, srv.log
+            assert health.json() == {"status": "ok"}
+            r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # An idle server stops at once, and cleanly.
+        assert srv.stop(timeout=30) == 0, srv.log
+        assert "Traceback" not in srv.log
+    finally:
+        srv.kill()
+
+
+def _request_in_thread(url: str, path: str, body: dict, results: dict, key) -> threading.Thread:
+    def run():
+        try:
+            with httpx.Client(timeout=120) as http:
+                with http.stream("POST", url + path, json=body) as r:
+                    results[key] = (r.status_code, r.headers.get("content-type", ""), r.read())
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            results[key] = ("exception", "", repr(exc).encode())
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+SHUTDOWN_LOAD = [
+    ("/v1/completions", {"prompt": PROMPT, "stream": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True}),
+    ("/generate", {"prompt": PROMPT, "stream": True}),
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+    ("/generate", {"prompt": PROMPT}),
+]
+
+
+def _start_load(srv: ServerProcess, max_tokens: int) -> tuple[dict, list[threading.Thread]]:
+    results: dict = {}
+    threads = [_request_in_thread(srv.url, path, {**body, "max_tokens": max_tokens,
+                                                  "ignore_eos": True}, results, i)
+               for i, (path, body) in enumerate(SHUTDOWN_LOAD)]
+    # All of them arrived: running, or (on a fast machine) already done.
+    deadline = time.monotonic() + 60
+    while True:
+        m = metrics(srv.url)
+        arrived = m["cllm_requests_running"] + sum(
+            v for k, v in m.items() if k.startswith("cllm_request_success_total{"))
+        if arrived == len(SHUTDOWN_LOAD):
+            return results, threads
+        assert time.monotonic() < deadline, srv.log
+        time.sleep(0.05)
+
+
+def test_sigterm_lets_in_flight_requests_finish():
+    with ServerProcess("--shutdown-grace", "60") as srv:
+        results, threads = _start_load(srv, max_tokens=40)
+        srv.terminate()
+        rc = srv.wait(timeout=60)
+        for t in threads:
+            t.join(60)
+        assert rc == 0, srv.log
+        for i, (path, body) in enumerate(SHUTDOWN_LOAD):
+            status, content_type, raw = results[i]
+            assert status == 200, (path, status, raw[-300:])
+            if body.get("stream"):
+                events = sse_payloads(raw)
+                last = events[-1]
+                if path == "/generate":
+                    assert last["data"]["generated_tokens"] == 40
+                    assert last["data"]["finish_reason"] == "length"
+                else:
+                    assert last["choices"][0]["finish_reason"] == "length"
+            else:
+                out = json.loads(raw)
+                if path == "/generate":
+                    assert out["data"]["generated_tokens"] == 40
+                else:
+                    assert out["usage"]["completion_tokens"] == 40
+        assert "Traceback" not in srv.log
+
+
+def test_sigterm_past_the_grace_period_ends_requests_with_503():
+    with ServerProcess("--shutdown-grace", "1") as srv:
+        results, threads = _start_load(srv, max_tokens=LONG)
+        started = time.monotonic()
+        srv.terminate()
+        rc = srv.wait(timeout=30)
+        elapsed = time.monotonic() - started
+        for t in threads:
+            t.join(60)
+        assert rc == 0, srv.log
+        assert elapsed < 10, srv.log  # the grace period (1 s) and the 503s, not 1500 tokens
+        for i, (path, body) in enumerate(SHUTDOWN_LOAD):
+            status, content_type, raw = results[i]
+            generate = path == "/generate"
+            if body.get("stream"):
+                # The 200 and the first tokens went out before SIGTERM: the error is an event.
+                assert status == 200, (path, status, raw[-300:])
+                events = sse_payloads(raw)
+                last = events[-1]
+                assert last["error"]["code"] == "shutting_down", last
+                assert ("success" in last and last["success"] is False) == generate
+            else:
+                assert status == 503, (path, status, raw[-300:])
+                response = httpx.Response(status, headers={"content-type": content_type},
+                                          content=raw)
+                assert_error(response, 503, generate=generate, code="shutting_down")
+        assert "Traceback" not in srv.log
+
+
+@pytest.mark.parametrize("content", [None, b"this is not a GGUF file\n"])
+def test_bad_model_path_exits_with_one_line(tmp_path, content):
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    srv = ServerProcess("--model", str(path)).spawn()
+    try:
+        rc = srv.wait(timeout=60)
+    finally:
+        srv.kill()
+    assert rc != 0
+    err = srv.stderr.strip()
+    assert "Traceback" not in srv.log
+    assert len(err.splitlines()) == 1, err
+    assert str(path) in err and "error" in err.lower()
+
+
+# ---- clients that leave, and many at once ----
+
+async def _drop_mid_stream(url: str, i: int) -> int:
+    path, body = [("/v1/completions", {"prompt": PROMPT}),
+                  ("/v1/chat/completions", {"messages": CHAT}),
+                  ("/generate", {"prompt": PROMPT})][i % 3]
+    body = {**body, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        async with http.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            seen = b""
+            async for chunk in r.aiter_raw():
+                seen += chunk
+                if seen.count(b"\n\n") >= 2:
+                    break  # leave: the connection closes with the response unread
+    return seen.count(b"data: ")
+
+
+async def _give_up_waiting(url: str) -> None:
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json=body)
+
+
+def test_clients_dropping_mid_stream_free_everything(server, http):
+    async def main():
+        drops = [_drop_mid_stream(server.url, i) for i in range(50)]
+        gone = [_give_up_waiting(server.url) for _ in range(4)]
+        return await asyncio.gather(*drops, *gone)
+
+    seen = asyncio.run(main())
+    assert all(n >= 2 for n in seen[:50])
+    idle = lambda v: v == 0  # noqa: E731
+    assert wait_for_metric(server.url, "cllm_requests_running", idle, timeout=10) == 0
+    assert wait_for_metric(server.url, "cllm_requests_waiting", idle, timeout=10) == 0
+    assert wait_for_metric(server.url, "cllm_kv_cache_usage_ratio", idle, timeout=10) == 0
+    for _ in range(3):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                               "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_72_streams_at_concurrency_32(server, http):
+    async def one(client: httpx.AsyncClient, gate: asyncio.Semaphore, i: int):
+        path, body = [("/v1/completions", {"prompt": f"{PROMPT} {i}"}),
+                      ("/v1/chat/completions", {"messages": CHAT})][i % 2]
+        body = {**body, "max_tokens": 16, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with gate, client.stream("POST", path, json=body) as r:
+            return path, r.status_code, await r.aread()
+
+    async def main():
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                     limits=httpx.Limits(max_connections=32)) as client:
+            return await asyncio.gather(*(one(client, gate, i) for i in range(72)))
+
+    results = asyncio.run(main())
+    assert len(results) == 72
+    for path, status, raw in results:
+        assert status == 200, raw[-300:]
+        events = sse_payloads(raw)
+        assert events[-1]["usage"]["completion_tokens"] == 16
+        choices = [c for e in events[:-1] for c in e["choices"]]
+        text_key = "text" if path == "/v1/completions" else "content"
+        text = "".join((c.get("delta", c).get(text_key) or "") for c in choices)
+        assert text, raw
+        assert choices[-1]["finish_reason"] == "length"
+    assert wait_for_metric(server.url, "cllm_requests_running", lambda v: v == 0) == 0
+
+
+# ---- models, tokenize, metrics ----
+
+def test_models(http, client):
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list"
+    (model,) = body["data"]
+    assert model["id"] == MODEL and model["object"] == "model"
+    assert model["meta"]["n_ctx"] >= 256 and model["meta"]["n_vocab"] > 1000
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_tokenize_detokenize_round_trip(http):
+    text = "Hello, world! Ünïcödé 你好 🙂 <|im_start|>"
+    r = http.post("/tokenize", json={"content": text})
+    assert r.status_code == 200
+    tokens = r.json()["tokens"]
+    assert tokens and all(isinstance(t, int) for t in tokens)
+    r = http.post("/detokenize", json={"tokens": tokens})
+    assert r.status_code == 200 and r.json() == {"content": text}
+    # The special token is one token, parsed as such.
+    special = http.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"]
+    assert len(special) == 1
+    assert http.post("/detokenize", json={"tokens": []}).json() == {"content": ""}
+
+
+METRIC_NAMES = [
+    "cllm_requests_running", "cllm_requests_waiting", "cllm_kv_cache_usage_ratio",
+    "cllm_prompt_tokens_total", "cllm_generation_tokens_total", "cllm_preemptions_total",
+    'cllm_request_success_total{finish_reason="length"}',
+    'cllm_request_failure_total{code="400"}',
+    *(f"{h}{suffix}" for h in ("cllm_time_to_first_token_seconds",
+                               "cllm_inter_token_latency_seconds",
+                               "cllm_e2e_request_latency_seconds")
+      for suffix in ("_count", "_sum", '_bucket{le="+Inf"}')),
+]
+
+
+def test_metrics(http):
+    before = metrics(http)
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200
+    assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}), 400)
+    response = http.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    after = metrics(http)
+    missing = [name for name in METRIC_NAMES if name not in after]
+    assert not missing, missing
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+
+    assert grew("cllm_generation_tokens_total") == 5
+    assert grew("cllm_prompt_tokens_total") == n_tokens(http, PROMPT)
+    assert grew('cllm_request_success_total{finish_reason="length"}') == 1
+    assert grew('cllm_request_failure_total{code="400"}') == 1
+    for h in ("cllm_time_to_first_token_seconds", "cllm_inter_token_latency_seconds",
+              "cllm_e2e_request_latency_seconds"):
+        assert grew(h + "_count") == 1
+    assert after["cllm_requests_running"] == 0 and after["cllm_requests_waiting"] == 0
+    assert 0 <= after["cllm_kv_cache_usage_ratio"] <= 1
