@@ -89,8 +89,10 @@ class Engine:
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
                                  kv_unified=config.kv_unified)
         eog = frozenset(t for t in range(self.model.n_vocab) if self.model.is_eog(t))
+        # A sequence may not outgrow its share of the cache, nor what the model was trained on.
+        self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
-                                   kv_capacity=self.ctx.n_ctx, max_seq_len=self.ctx.n_ctx_seq,
+                                   kv_capacity=self.ctx.n_ctx, max_seq_len=self.max_seq_len,
                                    max_queue=config.max_queue, eog_tokens=eog)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
@@ -115,9 +117,9 @@ class Engine:
             raise RuntimeError("the engine is shutting down")
         if not prompt_token_ids:
             raise ValueError("the prompt has no tokens")
-        if len(prompt_token_ids) >= self.ctx.n_ctx_seq:
+        if len(prompt_token_ids) >= self.max_seq_len:
             raise PromptTooLongError(f"the prompt has {len(prompt_token_ids)} tokens; a sequence's "
-                                     f"context holds {self.ctx.n_ctx_seq}")
+                                     f"context holds {self.max_seq_len}")
         now = time.monotonic()
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
                        arrival_time=now, deadline=now + self.config.request_timeout)

@@ -201,7 +201,7 @@ async def completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
     req = api.parse_completion(body, max_n=state.config.max_n,
-                               max_tokens_limit=engine.ctx.n_ctx_seq)
+                               max_tokens_limit=engine.max_seq_len)
     prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
         req.prompt, add_special=True, parse_special=True)
     fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
@@ -211,7 +211,7 @@ async def completions(request: Request, state: AppState) -> Response:
 async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
-    req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.ctx.n_ctx_seq)
+    req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
     text = state.template.render(req.messages)
     # Templates that write the BOS token themselves must not get a second one.
     bos = state.piece(engine.model.bos_token) if engine.model.adds_bos else None
@@ -224,7 +224,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
 async def generate(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
-    req = api.parse_generate(body, max_tokens_limit=engine.ctx.n_ctx_seq)
+    req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
     prompt = engine.model.tokenize(req.prompt, add_special=True, parse_special=True)
     fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False)
@@ -234,7 +234,7 @@ async def models(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     return JSONResponse({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "cllm",
-        "meta": {"n_ctx": engine.ctx.n_ctx_seq, "n_ctx_train": engine.model.n_ctx_train,
+        "meta": {"n_ctx": engine.max_seq_len, "n_ctx_train": engine.model.n_ctx_train,
                  "n_vocab": engine.model.n_vocab, "n_params": engine.model.n_params,
                  "description": engine.model.description}}]})
 

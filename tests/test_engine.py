@@ -136,7 +136,7 @@ def test_abort_mid_stream_frees_its_seq_id_within_a_step(engine):
 
 def test_prompt_longer_than_a_sequence_context_is_refused(engine):
     async def scenario():
-        return engine.submit(list(range(100, 100 + engine.ctx.n_ctx_seq)), SamplingParams())
+        return engine.submit(list(range(100, 100 + engine.max_seq_len)), SamplingParams())
 
     with pytest.raises(PromptTooLongError):
         asyncio.run(scenario())
