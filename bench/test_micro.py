@@ -1,0 +1,125 @@
+"""Micro-benchmarks (pytest-benchmark): `pytest bench/ --benchmark-only`.
+
+Each measures one piece of the per-token path with the real default model, so a regression
+shows where it happened. No assertions on time: the figures are the product."""
+import asyncio
+from array import array
+
+import httpx
+import pytest
+from server_process import ServerProcess  # tests/, put on the path by bench/conftest.py
+
+from cllm import _core, responses
+from cllm.config import EngineConfig, SamplingParams
+from cllm.engine import Engine
+from cllm.models import resolve_model
+from cllm.scheduler import Scheduler
+from cllm.sequence import Sequence
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _core.Model(str(resolve_model()))
+
+
+@pytest.fixture(scope="module")
+def ctx(model):
+    return _core.Context(model, n_ctx=64 * 256, n_seq_max=64, n_batch=512)
+
+
+def ints(values):
+    return array("i", values)
+
+
+def test_tokenize_1000_tokens(benchmark, model):
+    text = "The quick brown fox jumps over the lazy dog. " * 100
+    assert len(benchmark(model.tokenize, text)) >= 1000
+
+
+def _running(ctx, model, n_seqs, **sampling):
+    """n_seqs sequences past a short prompt; returns their (positions, last tokens)."""
+    prompt = model.tokenize("Once upon a time, in a land far away,")
+    for s in range(n_seqs):
+        ctx.remove_sequence(s)
+        ctx.set_sampler(s, **sampling)
+    last = ctx.step(ints(range(n_seqs)), ints([0] * n_seqs), ints([len(prompt)] * n_seqs),
+                    ints([1] * n_seqs), ints(prompt * n_seqs))
+    return [len(prompt)] * n_seqs, last
+
+
+def _bench_decode_steps(benchmark, ctx, model, n_seqs, rounds, **sampling):
+    positions, last = _running(ctx, model, n_seqs, **sampling)
+    state = {"pos": positions, "last": last}
+
+    def step():
+        state["last"] = ctx.step(ints(range(n_seqs)), ints(state["pos"]), ints([1] * n_seqs),
+                                 ints([1] * n_seqs), state["last"])
+        state["pos"] = [p + 1 for p in state["pos"]]
+
+    benchmark.pedantic(step, rounds=rounds, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("n_seqs", [1, 8, 32])
+def test_core_decode_step(benchmark, ctx, model, n_seqs):
+    """One llama_decode + greedy sampling for n_seqs decoding sequences."""
+    _bench_decode_steps(benchmark, ctx, model, n_seqs, rounds=30)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0},
+                                      {"temperature": 0.8, "top_p": 0.9, "seed": 1}],
+                         ids=["greedy", "top_p"])
+def test_sampling_at_32(benchmark, ctx, model, sampling):
+    """A decode step at 32 sequences with the given sampler: the difference is sampling."""
+    _bench_decode_steps(benchmark, ctx, model, 32, rounds=20, **sampling)
+
+
+def test_schedule_256_running(benchmark):
+    """Planning one step (and accounting for it) with 256 decoding sequences."""
+    sched = Scheduler(max_seqs=256, token_budget=512, kv_capacity=1 << 20, max_queue=10)
+    for i in range(256):
+        sched.add(Sequence(f"r{i}", [1] * 16, SamplingParams(max_tokens=1 << 20), 0.0))
+    out = sched.schedule(0.0)
+    sched.postprocess(out, [7] * len(out.chunks), 0.0)
+
+    def step():
+        plan = sched.schedule(1.0)
+        sched.postprocess(plan, [7] * len(plan.chunks), 1.0)
+
+    benchmark(step)
+
+
+def test_sse_encoding_of_one_delta(benchmark):
+    chunk = {"id": "cmpl-0123456789", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": " world", "logprobs": None, "finish_reason": None}]}
+    assert benchmark(responses.sse_event, chunk).startswith(b"data: ")
+
+
+def test_engine_step_overhead_at_32(benchmark, model):
+    """The engine's Python share of a step at 32 sequences: the summary's overhead_share."""
+    engine = Engine(EngineConfig(n_ctx=32 * 256, n_parallel=32, decode_steps=1),
+                    str(resolve_model()))
+
+    async def load():
+        streams = [engine.submit(model.tokenize(f"Story {i}:"),
+                                 SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+                   for i in range(32)]
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    def run():
+        engine.timer.reset()
+        asyncio.run(load())
+        return engine.timer.summary()
+
+    summary = benchmark.pedantic(run, rounds=3)
+    benchmark.extra_info.update(summary)
+    engine.shutdown()
+
+
+def test_http_round_trip_one_token(benchmark):
+    """POST /v1/completions for one token against a real python -m cllm.serve."""
+    with ServerProcess("--threads", "2") as server, httpx.Client(base_url=server.url,
+                                                                 timeout=60) as client:
+        body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        benchmark(lambda: client.post("/v1/completions", json=body).raise_for_status())
