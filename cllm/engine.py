@@ -210,6 +210,7 @@ class Engine:
             timer.lap("schedule")
             result = self._decode_run(out, rows, n_steps, outbox)
             timer.lap("decode")
+            now = time.monotonic()  # the tokens exist from here on: TTFT and ITL count to it
             got = self.scheduler.postprocess_run(out, *result, n_steps, now) if result else []
             self._run_ahead = bool(got)  # a run that made no token (KV full) is not retried
         else:
@@ -217,6 +218,7 @@ class Engine:
             timer.lap("schedule")
             result = self._decode(out, rows, outbox)
             timer.lap("decode")
+            now = time.monotonic()
             got = self._account_step(out, rows, result, now) if result is not None else []
             self._run_ahead = True
         self._emit(out, got, now, outbox)
