@@ -75,7 +75,7 @@ def test_sampling_at_32(benchmark, ctx, model, sampling):
 
 def test_schedule_256_running(benchmark):
     """Planning one step (and accounting for it) with 256 decoding sequences."""
-    sched = Scheduler(max_seqs=256, token_budget=512, kv_capacity=1 << 20, max_queue=10)
+    sched = Scheduler(max_seqs=256, token_budget=512, kv_capacity=1 << 20, max_queue=256)
     for i in range(256):
         sched.add(Sequence(f"r{i}", [1] * 16, SamplingParams(max_tokens=1 << 20), 0.0))
     out = sched.schedule(0.0)

@@ -40,6 +40,8 @@ OPTIONS = {
     "api_key": (str, _SERVER.api_key, "require 'Authorization: Bearer KEY' (all but /health)"),
     "request_timeout": (float, _ENGINE.request_timeout, "seconds a request may take in all"),
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
+    "decode_steps": (int, _ENGINE.decode_steps,
+                     "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
     "max_body_bytes": (int, _SERVER.max_body_bytes, "largest request body (413 above)"),
     "shutdown_grace": (float, _SERVER.shutdown_grace, "seconds in-flight requests get on SIGTERM"),
     "log_level": (str, "info", "debug, info, warning or error"),
@@ -87,6 +89,7 @@ def build_config(options: dict) -> ServerConfig:
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
         n_threads=options["threads"], kv_unified=options["kv_unified"], n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
+        decode_steps=options["decode_steps"],
         request_timeout=options["request_timeout"])
     return ServerConfig(host=options["host"], port=options["port"], api_key=options["api_key"],
                         max_body_bytes=options["max_body_bytes"],
