@@ -10,7 +10,6 @@ import itertools
 import logging
 import threading
 import time
-from array import array
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
+from cllm.batch import RunRows, StepRows
 from cllm.steptimer import StepTimer
 from cllm.textstream import TextStream
 
@@ -206,7 +206,7 @@ class Engine:
             return
         n_steps = self._run_length(out)
         if n_steps > 1:
-            rows = _RunRows.build(out, self.scheduler)
+            rows = RunRows.build(out, self.scheduler)
             timer.lap("schedule")
             result = self._decode_run(out, rows, n_steps, outbox)
             timer.lap("decode")
@@ -214,7 +214,7 @@ class Engine:
             got = self.scheduler.postprocess_run(out, *result, n_steps, now) if result else []
             self._run_ahead = bool(got)  # a run that made no token (KV full) is not retried
         else:
-            rows = _Rows.build(out)
+            rows = StepRows.build(out)
             timer.lap("schedule")
             result = self._decode(out, rows, outbox)
             timer.lap("decode")
@@ -257,7 +257,7 @@ class Engine:
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                 seed=p.seed, history=seq.prompt_token_ids + seq.output_token_ids)
 
-    def _decode(self, out: SchedulerOutput, rows: _Rows, outbox: _Outbox):
+    def _decode(self, out: SchedulerOutput, rows: StepRows, outbox: _Outbox):
         try:
             return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
                                  rows.tokens, rows.top_logprobs)
@@ -269,7 +269,7 @@ class Engine:
             self._fail(out, exc, outbox)
         return None
 
-    def _decode_run(self, out: SchedulerOutput, rows: _RunRows, n_steps: int, outbox: _Outbox):
+    def _decode_run(self, out: SchedulerOutput, rows: RunRows, n_steps: int, outbox: _Outbox):
         try:
             return self.ctx.decode_run(rows.seq_ids, rows.positions, rows.last_tokens,
                                        rows.budgets, rows.stop_at_eog, n_steps)
@@ -283,7 +283,7 @@ class Engine:
             if chunk.seq in self._live:
                 self._end(chunk.seq, FINISH_ERROR, str(exc), outbox)
 
-    def _account_step(self, out: SchedulerOutput, rows: _Rows, result, now: float):
+    def _account_step(self, out: SchedulerOutput, rows: StepRows, result, now: float):
         sampled, logprobs = result if rows.top_logprobs is not None else (result, None)
         got = self.scheduler.postprocess(out, sampled, now)
         if logprobs is not None:
@@ -321,7 +321,7 @@ class Engine:
         outbox.add(live.stream, Delta(
             text, live.pending, live.take_logprobs(), finish_reason=seq.finish_reason,
             error=seq.error, prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens, timings=_timings(seq)))
+            completion_tokens=seq.num_output_tokens, timings=seq.timings()))
 
     def _report_expired(self, outbox: _Outbox) -> None:
         for seq in [s for s in self._live if s.is_finished]:
@@ -348,45 +348,6 @@ class _Live:
         return taken
 
 
-class _Rows:
-    """One step's batch as the flat int arrays Context.step takes."""
-    __slots__ = ("seq_ids", "positions", "n_tokens", "sample", "tokens", "top_logprobs")
-
-    @classmethod
-    def build(cls, out: SchedulerOutput) -> _Rows:
-        rows = cls()
-        chunks = out.chunks
-        rows.seq_ids = array("i", [c.seq.seq_id for c in chunks])
-        rows.positions = array("i", [c.start for c in chunks])
-        rows.n_tokens = array("i", [c.length for c in chunks])
-        rows.sample = array("i", [c.samples for c in chunks])
-        tokens = array("i")
-        for c in chunks:
-            tokens.extend(c.seq.token_ids(c.start, c.length))
-        rows.tokens = tokens
-        wanted = [-1 if c.seq.sampling.logprobs is None else c.seq.sampling.logprobs
-                  for c in chunks]
-        rows.top_logprobs = array("i", wanted) if max(wanted) >= 0 else None
-        return rows
-
-
-class _RunRows:
-    """A decode run's rows as the flat int arrays Context.decode_run takes."""
-    __slots__ = ("seq_ids", "positions", "last_tokens", "budgets", "stop_at_eog")
-
-    @classmethod
-    def build(cls, out: SchedulerOutput, scheduler: Scheduler) -> _RunRows:
-        rows = cls()
-        seqs = [c.seq for c in out.chunks]
-        rows.seq_ids = array("i", [s.seq_id for s in seqs])
-        rows.positions = array("i", [c.start for c in out.chunks])
-        rows.last_tokens = array("i", [s.token_ids(c.start, 1)[0]
-                                       for s, c in zip(seqs, out.chunks)])
-        rows.budgets = array("i", [scheduler.decode_budget(s) for s in seqs])
-        rows.stop_at_eog = array("i", [not s.sampling.ignore_eos for s in seqs])
-        return rows
-
-
 class _Outbox:
     """Deltas gathered during one step, handed to each event loop in one call."""
     __slots__ = ("_by_loop",)
@@ -409,16 +370,3 @@ class _Outbox:
 def _put_all(items) -> None:
     for queue, delta in items:
         queue.put_nowait(delta)
-
-
-def _timings(seq: Sequence) -> dict[str, float]:
-    """Seconds: queued (arrival → first scheduled), ttft (arrival → first token), total."""
-    end = seq.finished_time or time.monotonic()
-    timings = {"total": end - seq.arrival_time}
-    if seq.first_scheduled_time is not None:
-        timings["queued"] = seq.first_scheduled_time - seq.arrival_time
-    if seq.first_token_time is not None:
-        timings["ttft"] = seq.first_token_time - seq.arrival_time
-        if seq.num_output_tokens > 1:
-            timings["tpot"] = (seq.last_token_time - seq.first_token_time) / (seq.num_output_tokens - 1)
-    return timings

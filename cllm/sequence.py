@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from cllm.config import SamplingParams
@@ -68,3 +69,17 @@ class Sequence:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:start - n_prompt + count]
         return (self.prompt_token_ids + self.output_token_ids)[start:start + count]
+
+    def timings(self) -> dict[str, float]:
+        """Seconds: queued (arrival → first scheduled), ttft (arrival → first token), total, and
+        tpot (mean gap between output tokens)."""
+        end = self.finished_time or time.monotonic()
+        timings = {"total": end - self.arrival_time}
+        if self.first_scheduled_time is not None:
+            timings["queued"] = self.first_scheduled_time - self.arrival_time
+        if self.first_token_time is not None:
+            timings["ttft"] = self.first_token_time - self.arrival_time
+            if self.num_output_tokens > 1:
+                timings["tpot"] = ((self.last_token_time - self.first_token_time)
+                                   / (self.num_output_tokens - 1))
+        return timings
