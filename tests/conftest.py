@@ -18,3 +18,12 @@ def gemma_path() -> str:
 def model(model_path):
     from cllm import _core
     return _core.Model(model_path)
+
+
+# Options of tests/stress: `pytest --soak` runs its long mode, `--soak-requests N` its size.
+def pytest_addoption(parser):
+    group = parser.getgroup("cllm stress")
+    group.addoption("--soak", action="store_true", default=False,
+                    help="run the stress test in soak mode (--soak-requests requests)")
+    group.addoption("--soak-requests", type=int, default=10000,
+                    help="requests in soak mode [10000]")

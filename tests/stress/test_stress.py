@@ -1,8 +1,8 @@
 """A seeded random mix of requests at concurrency 64 against one real server.
 
 Short mode (the default, part of CI): about 300 requests, max_tokens 1-32, prompts of 1-12 words;
-~30 s on 2 CPU cores. Soak mode, `python -m pytest tests/stress --soak [--soak-requests N]` (the
-options live in tests/stress/conftest.py, so name the directory; N defaults to 10000): max_tokens
+~30 s on 2 CPU cores. Soak mode, `pytest tests/stress --soak [--soak-requests N]` (N
+defaults to 10000): max_tokens
 1-256, prompts of 1-60 words, and it prints the figures for a note. On 2 CPU cores the server
 makes ~90 tok/s, so a 10000-request soak takes hours there; run it on a bigger machine.
 The mix: completions, chat and /generate, streamed or not, random sampling; 20% of clients leave
