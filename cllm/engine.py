@@ -199,7 +199,8 @@ class Engine:
         now = time.monotonic()
         out = self.scheduler.schedule(now)
         outbox = _Outbox()
-        self._report_expired(outbox)  # sequences the scheduler timed out
+        for seq in out.expired:
+            self._send_final(seq, "", outbox)
         self._prepare_sequences(out)
         if not out.chunks:
             outbox.deliver()
@@ -322,10 +323,6 @@ class Engine:
             text, live.pending, live.take_logprobs(), finish_reason=seq.finish_reason,
             error=seq.error, prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens, timings=seq.timings()))
-
-    def _report_expired(self, outbox: _Outbox) -> None:
-        for seq in [s for s in self._live if s.is_finished]:
-            self._send_final(seq, "", outbox)
 
     def _finish_all(self, reason: str, error: str) -> None:
         outbox = _Outbox()

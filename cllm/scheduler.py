@@ -30,6 +30,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     started: list[Sequence] = field(default_factory=list)  # took a seq id this step
     released: list[int] = field(default_factory=list)      # seq ids whose KV the engine must free
+    expired: list[Sequence] = field(default_factory=list)  # timed out since the last step
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +86,7 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self._step_cells = 0
-        self._expire(now)
+        out.expired = self._expire(now)
         budget = self._schedule_running(out, self.token_budget, now)
         self._admit_waiting(out, budget, now)
         out.released = self.take_released()
@@ -174,11 +175,12 @@ class Scheduler:
         self._released.append(seq.seq_id)
         seq.seq_id = None
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float) -> list[Sequence]:
         expired = [s for s in (*self.running, *self.waiting)
                    if s.deadline is not None and now >= s.deadline]
         for seq in expired:
             self.finish(seq, FINISH_TIMEOUT, now, error="request deadline passed")
+        return expired
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
         # Decodes (one token each) before prefill chunks, for every running sequence.

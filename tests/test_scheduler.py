@@ -170,6 +170,7 @@ def test_deadline_times_out_running_and_waiting():
     out = sched.schedule(6.0)
     assert out.chunks == []
     assert first.finish_reason == second.finish_reason == FINISH_TIMEOUT
+    assert out.expired == [first, second]
     assert out.released == [0] and sched.free_seq_ids == [0]
 
 
