@@ -54,10 +54,6 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 @dataclass(slots=True)
 class EngineConfig:

@@ -35,6 +35,7 @@ def usage(choices: list[Choice]) -> dict:
 
 class Format:
     """Shared shape of the OpenAI formats; `piece` renders a token id as text."""
+    chat = False  # chunk objects are chat.completion.chunk rather than text_completion
 
     def __init__(self, request_id: str, model: str, created: int, piece: Callable[[int], str],
                  want_logprobs: bool) -> None:
@@ -49,7 +50,7 @@ class Format:
 
     def usage_chunk(self, usage_: dict) -> dict | None:
         return responses.usage_chunk(self.request_id, self.model, self.created, usage_,
-                                     chat=isinstance(self, ChatFormat))
+                                     chat=self.chat)
 
     def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
         raise NotImplementedError
@@ -86,6 +87,8 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    chat = True
+
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not self.want_logprobs:
             return None

@@ -8,7 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from cllm.config import EngineConfig
@@ -27,9 +27,6 @@ class ServerSettings:
     ubatch_size: int = ENGINE_DEFAULTS.n_ubatch
     flash_attn: str = ENGINE_DEFAULTS.flash_attn
     n_gpu_layers: int = ENGINE_DEFAULTS.n_gpu_layers
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(slots=True)
