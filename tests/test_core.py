@@ -30,12 +30,13 @@ def ctx(model):
     return _core.Context(model, n_ctx=16 * 512, n_seq_max=16, n_batch=512, kv_unified=False)
 
 
-def generate_together(ctx, model, prompts, n_tokens, seq_ids=None):
-    """Greedy continuations of all prompts decoded in shared batches; removes the sequences."""
+def generate_together(ctx, model, prompts, n_tokens, seq_ids=None, **sampling):
+    """Continuations of all prompts decoded in shared batches (greedy unless `sampling` says
+    otherwise); removes the sequences."""
     seq_ids = seq_ids or list(range(len(prompts)))
     prompt_tokens = [model.tokenize(p) for p in prompts]
     for seq_id in seq_ids:
-        ctx.set_sampler(seq_id)  # greedy
+        ctx.set_sampler(seq_id, **sampling)
     flat = [t for tokens in prompt_tokens for t in tokens]
     last = ctx.step(ints(seq_ids), ints([0] * len(prompts)), ints([len(t) for t in prompt_tokens]),
                     ints([1] * len(prompts)), ints(flat))
@@ -131,32 +132,19 @@ def test_thousand_sequences_leave_no_kv_cells(ctx, model):
 
 def test_seeded_sampling_is_reproducible(ctx, model):
     def sample(seed):
-        ctx.set_sampler(3, temperature=1.0, top_p=0.95, top_k=50, seed=seed)
-        tokens = model.tokenize("Once upon a time")
-        last = ctx.step(ints([3]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
-        out = [last[0]]
-        for pos in range(len(tokens), len(tokens) + 24):
-            last = ctx.step(ints([3]), ints([pos]), ints([1]), ints([1]), last)
-            out.append(last[0])
-        ctx.remove_sequence(3)
-        return out
+        return generate_together(ctx, model, ["Once upon a time"], 25, seq_ids=[3],
+                                 temperature=1.0, top_p=0.95, top_k=50, seed=seed)[0]
 
     assert sample(42) == sample(42)
     assert sample(42) != sample(43)
 
 
 def test_penalties_change_greedy_output(ctx, model):
-    tokens = model.tokenize("Repeat after me: la la la la la la la")
+    prompt = "Repeat after me: la la la la la la la"
 
-    def greedy(**kw):
-        ctx.set_sampler(4, temperature=0.0, history=tokens, **kw)
-        last = ctx.step(ints([4]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
-        out = [last[0]]
-        for pos in range(len(tokens), len(tokens) + 10):
-            last = ctx.step(ints([4]), ints([pos]), ints([1]), ints([1]), last)
-            out.append(last[0])
-        ctx.remove_sequence(4)
-        return out
+    def greedy(**penalties):
+        return generate_together(ctx, model, [prompt], 11, seq_ids=[4], temperature=0.0,
+                                 history=model.tokenize(prompt), **penalties)[0]
 
     assert greedy() != greedy(repeat_penalty=1.8, presence_penalty=1.5)
 
