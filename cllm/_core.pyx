@@ -5,6 +5,7 @@ import os
 from array import array
 
 from cpython cimport array as carray
+from cython.parallel cimport prange
 from libc.math cimport expf, logf, INFINITY
 from libc.stdint cimport int32_t
 from libc.stdio cimport fputs, stderr
@@ -215,6 +216,8 @@ _FLASH_ATTN = {"auto": LLAMA_FLASH_ATTN_TYPE_AUTO, "on": LLAMA_FLASH_ATTN_TYPE_E
                "off": LLAMA_FLASH_ATTN_TYPE_DISABLED}
 cdef carray.array _INT_ARRAY = array("i")
 cdef carray.array _FLOAT_ARRAY = array("f")
+# Greedy rows per thread of the argmax: fewer do not repay waking a thread.
+cdef int _ROWS_PER_THREAD = 4
 
 
 cdef class Context:
@@ -227,6 +230,14 @@ cdef class Context:
     cdef llama_context * ctx
     cdef llama_batch batch
     cdef llama_sampler ** chains
+    cdef unsigned char * ban_eog  # per sequence: its end-of-generation tokens are never sampled
+    cdef int * eog_ids
+    cdef int n_eog, n_threads
+    # One step's outputs to sample: sequence, batch index, and logits where greedy (else NULL).
+    cdef int * out_seq
+    cdef int32_t * out_idx
+    cdef float ** out_logits
+    cdef int * out_tokens
     cdef readonly Model model
     cdef readonly int n_ctx, n_ctx_seq, n_seq_max, n_batch, n_vocab
     cdef readonly bint kv_unified
@@ -260,10 +271,23 @@ cdef class Context:
         self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_batch = llama_n_batch(self.ctx)
         self.n_vocab = model.n_vocab
+        self.n_threads = params.n_threads
         self.batch = llama_batch_init(self.n_batch, 0, 1)
         self.chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
-        if self.chains is NULL:
+        self.ban_eog = <unsigned char *> calloc(self.n_seq_max, 1)
+        self.out_seq = <int *> malloc(self.n_batch * sizeof(int))
+        self.out_idx = <int32_t *> malloc(self.n_batch * sizeof(int32_t))
+        self.out_logits = <float **> malloc(self.n_batch * sizeof(float *))
+        self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
+        eog = [t for t in range(self.n_vocab) if llama_vocab_is_eog(model.vocab, t)]
+        self.n_eog = len(eog)
+        self.eog_ids = <int *> malloc(max(1, self.n_eog) * sizeof(int))
+        if (self.chains is NULL or self.ban_eog is NULL or self.out_seq is NULL
+                or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
+                or self.eog_ids is NULL):
             raise MemoryError()
+        for i, token in enumerate(eog):
+            self.eog_ids[i] = token
 
     def __dealloc__(self):
         cdef int i
@@ -272,6 +296,12 @@ cdef class Context:
                 if self.chains[i] is not NULL:
                     llama_sampler_free(self.chains[i])
             free(self.chains)
+        free(self.ban_eog)
+        free(self.eog_ids)
+        free(self.out_seq)
+        free(self.out_idx)
+        free(self.out_logits)
+        free(self.out_tokens)
         if self.batch.token is not NULL:
             llama_batch_free(self.batch)
         if self.ctx is not NULL:
@@ -283,15 +313,20 @@ cdef class Context:
 
     def set_sampler(self, int seq_id, float temperature=0.0, int top_k=0, float top_p=1.0,
                     float min_p=0.0, float repeat_penalty=1.0, float presence_penalty=0.0,
-                    float frequency_penalty=0.0, int penalty_last_n=64, seed=None, history=()):
+                    float frequency_penalty=0.0, int penalty_last_n=64, seed=None, history=(),
+                    bint ban_eog=False):
         """Sampling for `seq_id` until it is removed. Temperature 0 with no penalty is greedy, an
-        argmax over the logits. `history` (e.g. the prompt) is what the penalties already saw."""
+        argmax over the logits. `history` (e.g. the prompt) is what the penalties already saw.
+        `ban_eog`: end-of-generation tokens are never sampled, so text runs on to its length."""
         self._check_seq(seq_id)
         self._free_chain(seq_id)
+        self.ban_eog[seq_id] = ban_eog
         cdef bint penalised = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
         if temperature <= 0.0 and not penalised:
             return
         cdef llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params())
+        if ban_eog:
+            llama_sampler_chain_add(chain, self._eog_bias())
         if penalised:
             llama_sampler_chain_add(chain, llama_sampler_init_penalties(
                 self.n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
@@ -312,6 +347,20 @@ cdef class Context:
                 llama_sampler_accept(chain, token)
         self.chains[seq_id] = chain
 
+    cdef llama_sampler * _eog_bias(self):
+        """A sampler that sets every end-of-generation token's logit to -inf."""
+        cdef llama_logit_bias * biases = <llama_logit_bias *> malloc(
+            max(1, self.n_eog) * sizeof(llama_logit_bias))
+        if biases is NULL:
+            raise MemoryError()
+        cdef int i
+        for i in range(self.n_eog):
+            biases[i].token = self.eog_ids[i]
+            biases[i].bias = -INFINITY
+        cdef llama_sampler * smpl = llama_sampler_init_logit_bias(self.n_vocab, self.n_eog, biases)
+        free(biases)  # the sampler keeps its own copy
+        return smpl
+
     cdef void _free_chain(self, int seq_id):
         if self.chains[seq_id] is not NULL:
             llama_sampler_free(self.chains[seq_id])
@@ -322,6 +371,7 @@ cdef class Context:
         self._check_seq(seq_id)
         llama_memory_seq_rm(llama_get_memory(self.ctx), seq_id, -1, -1)
         self._free_chain(seq_id)
+        self.ban_eog[seq_id] = 0
 
     def seq_pos_max(self, int seq_id):
         """The last position of `seq_id` in the KV cache, -1 when it holds none."""
@@ -433,8 +483,12 @@ cdef class Context:
             if rc != 0:
                 break
             for i in range(n):
+                self.out_seq[i] = seq_ids[rows[i]]
+                self.out_idx[i] = <int32_t> i
+            self._sample_outputs(<int> n, self.out_tokens)
+            for i in range(n):
                 r = rows[i]
-                tokens[r * n_steps + counts[r]] = self._sample_one(seq_ids[r], <int32_t> i)
+                tokens[r * n_steps + counts[r]] = self.out_tokens[i]
                 counts[r] += 1
         free(rows)
         return rc
@@ -446,11 +500,30 @@ cdef class Context:
         return count == 0 or not stop_at_eog[r] or not llama_vocab_is_eog(
             self.model.vocab, row_tokens[count - 1])
 
-    cdef int _sample_one(self, int seq_id, int32_t idx) noexcept nogil:
-        cdef llama_sampler * chain = self.chains[seq_id]
-        if chain is NULL:
-            return _argmax(llama_get_logits_ith(self.ctx, idx), self.n_vocab)
-        return llama_sampler_sample(chain, self.ctx, idx)
+    cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
+        """Sample the n outputs named by out_seq and out_idx into out: those with a sampler chain
+        in turn, the greedy ones by an argmax spread over the threads (on a GPU the logits of a
+        64-row step are 12 MB; one core scanning them took as long as the decode)."""
+        cdef int i, n_greedy = 0
+        cdef llama_sampler * chain
+        cdef float ** logits = self.out_logits
+        for i in range(n):
+            chain = self.chains[self.out_seq[i]]
+            logits[i] = NULL
+            out[i] = -1
+            if chain is not NULL:
+                out[i] = llama_sampler_sample(chain, self.ctx, self.out_idx[i])
+            else:
+                logits[i] = llama_get_logits_ith(self.ctx, self.out_idx[i])
+                n_greedy += 1
+        cdef int threads = min(self.n_threads, max(1, n_greedy // _ROWS_PER_THREAD))
+        cdef const unsigned char * ban = self.ban_eog
+        cdef const int * seqs = self.out_seq
+        cdef const int * eog = self.eog_ids
+        cdef int n_eog = self.n_eog, n_vocab = self.n_vocab
+        for i in prange(n, num_threads=threads, schedule="static"):
+            if logits[i] is not NULL:
+                out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
 
     cdef void _check_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
                           const int[::1] tokens) except *:
@@ -485,10 +558,21 @@ cdef class Context:
     cdef void _sample_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
                            const int[::1] sample, int * out) noexcept nogil:
         cdef Py_ssize_t r
+        cdef int n = 0
         cdef int32_t last = -1
         for r in range(seq_ids.shape[0]):
             last += n_tokens[r]
-            out[r] = self._sample_one(seq_ids[r], last) if sample[r] else -1
+            if sample[r]:
+                self.out_seq[n] = seq_ids[r]
+                self.out_idx[n] = last
+                n += 1
+        self._sample_outputs(n, self.out_tokens)
+        n = 0
+        for r in range(seq_ids.shape[0]):
+            out[r] = -1
+            if sample[r]:
+                out[r] = self.out_tokens[n]
+                n += 1
 
     cdef object _logprobs(self, const int[::1] n_tokens, const int[::1] sample,
                           const int[::1] top_logprobs, carray.array chosen):
@@ -533,14 +617,38 @@ cdef class Logprobs:
         return self.chosen[r], top
 
 
+cdef int _greedy(float * logits, int n, const int * banned, int n_banned) noexcept nogil:
+    """The most likely token once the banned ones are set to -inf (in the logits themselves, so
+    log-probabilities read afterwards see the same distribution)."""
+    cdef int i
+    for i in range(n_banned):
+        logits[banned[i]] = -INFINITY
+    return _argmax(logits, n)
+
+
 cdef int _argmax(const float * logits, int n) noexcept nogil:
-    cdef int i, best = 0
-    cdef float best_value = logits[0]
-    for i in range(1, n):
-        if logits[i] > best_value:
-            best_value = logits[i]
-            best = i
-    return best
+    """Index of the first largest value. The maximum is taken over 16 interleaved lanes first,
+    which compilers turn into vector instructions; a second pass finds where it sits."""
+    cdef float lanes[16]
+    cdef float best
+    cdef int i, j, whole = n - n % 16
+    if whole == 0:
+        best = logits[0]
+    else:
+        for j in range(16):
+            lanes[j] = logits[j]
+        for i in range(16, whole, 16):
+            for j in range(16):
+                lanes[j] = lanes[j] if lanes[j] >= logits[i + j] else logits[i + j]
+        best = lanes[0]
+        for j in range(1, 16):
+            best = lanes[j] if lanes[j] > best else best
+    for i in range(whole, n):
+        best = logits[i] if logits[i] > best else best
+    for i in range(n):
+        if logits[i] == best:
+            return i
+    return 0  # only NaN logits get here
 
 
 cdef void _fill_logprobs(const float * logits, int n, int chosen, int k, float * chosen_out,

@@ -125,6 +125,11 @@ cdef extern from "llama.h" nogil:
     llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep)
     llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep)
     llama_sampler * llama_sampler_init_temp(float t)
+    ctypedef struct llama_logit_bias:
+        llama_token token
+        float bias
+    llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+                                                  const llama_logit_bias * logit_bias)
     llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
                                                  float penalty_repeat, float penalty_freq,
                                                  float penalty_present)

@@ -256,7 +256,8 @@ class Engine:
                 seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                 min_p=p.min_p, repeat_penalty=p.repeat_penalty,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                seed=p.seed, history=seq.prompt_token_ids + seq.output_token_ids)
+                seed=p.seed, history=seq.prompt_token_ids + seq.output_token_ids,
+                ban_eog=p.ignore_eos)
 
     def _decode(self, out: SchedulerOutput, rows: StepRows, outbox: _Outbox):
         try:

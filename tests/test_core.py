@@ -162,6 +162,44 @@ def test_logprobs(ctx, model):
     assert 0.0 < sum(math.exp(t[1]) for t in top) <= 1.0 + 1e-5
 
 
+# SmolLM2's most likely first token after this prompt is an end-of-generation token.
+ENDS_AT_ONCE = "Explain why the sky is blue in simple terms."
+
+
+def test_ban_eog_greedy_continues_where_the_model_would_end(ctx, model):
+    (free,) = generate_together(ctx, model, [ENDS_AT_ONCE], 1, seq_ids=[6])
+    assert model.is_eog(free[0])
+    (banned,) = generate_together(ctx, model, [ENDS_AT_ONCE], 12, seq_ids=[6], ban_eog=True)
+    assert not any(model.is_eog(t) for t in banned)
+    assert model.detokenize(banned).strip()
+
+
+def test_ban_eog_holds_for_sampled_sequences(ctx, model):
+    def first_tokens(**ban):
+        return [generate_together(ctx, model, [ENDS_AT_ONCE], 1, seq_ids=[7], temperature=1.0,
+                                  seed=seed, **ban)[0][0] for seed in range(12)]
+
+    assert any(model.is_eog(t) for t in first_tokens())
+    assert not any(model.is_eog(t) for t in first_tokens(ban_eog=True))
+
+
+def test_greedy_rows_sampled_in_parallel_take_each_rows_best_token(ctx, model):
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 2)]
+    tokens = [model.tokenize(p) for p in prompts]
+    for seq_id in range(len(prompts)):
+        ctx.set_sampler(seq_id, ban_eog=seq_id % 2 == 1)
+    sampled, lp = ctx.step(ints(range(len(prompts))), ints([0] * len(prompts)),
+                           ints([len(t) for t in tokens]), ints([1] * len(prompts)),
+                           ints([t for row in tokens for t in row]), ints([3] * len(prompts)))
+    for seq_id in range(len(prompts)):
+        ctx.remove_sequence(seq_id)
+    for row, token in enumerate(sampled):
+        chosen, top = lp.row(row)
+        assert top[0][0] == token and math.isclose(chosen, top[0][1], abs_tol=1e-5)
+        if row % 2 == 1:
+            assert not model.is_eog(token)
+
+
 def test_prefill_chunks_without_sampling_return_minus_one(ctx, model):
     tokens = model.tokenize("The capital of France is")
     ctx.set_sampler(6)

@@ -145,6 +145,21 @@ def test_completion_stops_at_eos_without_ignore_eos(client):
         assert r.usage.completion_tokens == 64
 
 
+def test_ignore_eos_streams_text_where_the_model_would_end(client):
+    # Greedy SmolLM2 ends this prompt at once; with ignore_eos, end tokens are never sampled
+    # (as in llama-server), so the first streamed chunk already carries text.
+    prompt = "Explain why the sky is blue in simple terms."
+    ended = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert ended.choices[0].finish_reason == "stop" and ended.choices[0].text == ""
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0] and "".join(texts).strip()
+    assert chunks[-1].usage.completion_tokens == 8
+
+
 def test_chat(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
     assert r.object == "chat.completion" and r.model == MODEL and r.id
