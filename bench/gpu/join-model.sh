@@ -1,8 +1,9 @@
 #!/bin/bash
-# Device call 2 (carry .device/m2): finish the build (incremental), join the model, place it in cllm's cache.
+# Device call 2 (carry .device/m2 .device/whl): the wheels its Python lacks, finish the build (incremental), join the model, place it in cllm's cache.
 W=/root/w
 ls $W >/dev/null || exit 1
 cp .device/m2/part01 $W/ 2>/dev/null
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $W/site .device/whl/*.whl || exit 1
 if [ -f $W/part00 ] && [ -f $W/part01 ]; then
   cat $W/part00 $W/part01 > $W/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
   sha=$(sha256sum $W/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)
