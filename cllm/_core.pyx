@@ -501,20 +501,24 @@ cdef class Context:
             self.model.vocab, row_tokens[count - 1])
 
     cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
-        """Sample the n outputs named by out_seq and out_idx into out: those with a sampler chain
-        in turn, the greedy ones by an argmax spread over the threads (on a GPU the logits of a
-        64-row step are 12 MB; one core scanning them took as long as the decode)."""
+        """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
+        one's sequence and batch index. Those with a sampler chain go in turn, the greedy ones by
+        an argmax spread over the threads (on a GPU the logits of a 64-row step are 12 MB; one
+        core scanning them took a third of the step)."""
         cdef int i, n_greedy = 0
         cdef llama_sampler * chain
         cdef float ** logits = self.out_logits
+        # One wait for the GPU: the outputs' logits lie in batch order, row i for output i
+        # (llama_get_logits_ith would synchronise once per row).
+        cdef float * all_logits = llama_get_logits(self.ctx)
         for i in range(n):
             chain = self.chains[self.out_seq[i]]
             logits[i] = NULL
             out[i] = -1
             if chain is not NULL:
                 out[i] = llama_sampler_sample(chain, self.ctx, self.out_idx[i])
-            else:
-                logits[i] = llama_get_logits_ith(self.ctx, self.out_idx[i])
+            elif all_logits is not NULL:
+                logits[i] = all_logits + <size_t> i * self.n_vocab
                 n_greedy += 1
         cdef int threads = min(self.n_threads, max(1, n_greedy // _ROWS_PER_THREAD))
         cdef const unsigned char * ban = self.ban_eog

@@ -112,6 +112,7 @@ cdef extern from "llama.h" nogil:
     llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max)
     void llama_batch_free(llama_batch batch)
     int32_t llama_decode(llama_context * ctx, llama_batch batch)
+    float * llama_get_logits(llama_context * ctx)
     float * llama_get_logits_ith(llama_context * ctx, int32_t i)
 
     llama_sampler * llama_sampler_chain_init(llama_sampler_chain_params params)
