@@ -40,6 +40,13 @@ def failure(delta: Delta) -> SequenceFailure | None:
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from all streams as they arrive; aborts the rest when left early."""
+    if len(streams) == 1:  # the common case: no pump task and second queue between engine and client
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            streams[0].abort()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
