@@ -97,12 +97,4 @@ class ServerConfig:
     max_n: int = 16  # completions per request ("n")
     shutdown_grace: float = 30.0
     log_requests: bool = True
-    # Python's thread switch interval: the longest the engine thread can wait for the GIL, held
-    # by the event loop writing responses, before it starts the GPU's next step; Python's own
-    # 5 ms is most of a 64-stream step on an H200.
-    gil_switch_ms: float = 0.5
     engine: EngineConfig = field(default_factory=EngineConfig)
-
-    def __post_init__(self) -> None:
-        if self.gil_switch_ms <= 0:
-            raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")

@@ -44,8 +44,6 @@ OPTIONS = {
                      "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
     "max_body_bytes": (int, _SERVER.max_body_bytes, "largest request body (413 above)"),
     "shutdown_grace": (float, _SERVER.shutdown_grace, "seconds in-flight requests get on SIGTERM"),
-    "gil_switch_ms": (float, _SERVER.gil_switch_ms,
-                      "Python's thread switch interval: longest wait of the engine thread for the GIL"),
     "log_level": (str, "info", "debug, info, warning or error"),
 }
 
@@ -95,8 +93,7 @@ def build_config(options: dict) -> ServerConfig:
         request_timeout=options["request_timeout"])
     return ServerConfig(host=options["host"], port=options["port"], api_key=options["api_key"],
                         max_body_bytes=options["max_body_bytes"],
-                        shutdown_grace=options["shutdown_grace"],
-                        gil_switch_ms=options["gil_switch_ms"], engine=engine)
+                        shutdown_grace=options["shutdown_grace"], engine=engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +161,6 @@ def serve(config: ServerConfig, model_path: Path) -> int:
     from cllm.engine import Engine  # loads llama.cpp: after the arguments are known good
     from cllm.server import create_app
 
-    sys.setswitchinterval(config.gil_switch_ms / 1000)
     load_failures: list[BaseException] = []
 
     def on_load_failure(exc: BaseException) -> None:

@@ -3,24 +3,27 @@ refused before anything loads."""
 import pytest
 
 from cllm import serve
-from cllm.config import ServerConfig
+from cllm.config import EngineConfig
 
 
 def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):
     toml = tmp_path / "cllm.toml"
-    toml.write_text("gil-switch-ms = 2.0\nparallel = 4\n")
-    assert serve.build_config(serve.parse_args([])).gil_switch_ms == ServerConfig().gil_switch_ms
-    from_file = serve.build_config(serve.parse_args(["--config", str(toml)]))
-    assert from_file.gil_switch_ms == 2.0 and from_file.engine.n_parallel == 4
-    monkeypatch.setenv("CLLM_GIL_SWITCH_MS", "1.5")
-    assert serve.build_config(serve.parse_args(["--config", str(toml)])).gil_switch_ms == 1.5
-    flagged = serve.parse_args(["--config", str(toml), "--gil-switch-ms", "0.25"])
-    assert serve.build_config(flagged).gil_switch_ms == 0.25
+    toml.write_text("decode-steps = 4\nparallel = 6\n")
+    assert serve.build_config(serve.parse_args([])).engine.decode_steps == EngineConfig().decode_steps
+    from_file = serve.build_config(serve.parse_args(["--config", str(toml)])).engine
+    assert from_file.decode_steps == 4 and from_file.n_parallel == 6
+    monkeypatch.setenv("CLLM_DECODE_STEPS", "3")
+    assert serve.build_config(serve.parse_args(["--config", str(toml)])).engine.decode_steps == 3
+    flagged = serve.parse_args(["--config", str(toml), "--decode-steps", "2"])
+    assert serve.build_config(flagged).engine.decode_steps == 2
 
 
-@pytest.mark.parametrize("argv", [["--gil-switch-ms", "0"], ["--parallel", "0"],
-                                  ["--flash-attn", "sometimes"]])
-def test_bad_values_exit_2_with_the_reason(argv, capsys):
+@pytest.mark.parametrize("argv, reason", [
+    (["--parallel", "0"], "n_parallel must be at least 1"),
+    (["--flash-attn", "sometimes"], "flash_attn must be auto, on or off"),
+    (["--request-timeout", "0"], "request_timeout must be positive"),
+])
+def test_bad_values_exit_2_with_the_reason(argv, reason, capsys):
     assert serve.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cllm: error:") and argv[0].lstrip("-").replace("-", "_")[:8] in err
+    assert err.startswith("cllm: error:") and reason in err
