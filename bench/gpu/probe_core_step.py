@@ -50,7 +50,7 @@ def probe(model, rows, threads, n_ctx, steps=40):
 def main():
     model = _core.Model(sys.argv[1])
     n_ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 65536
-    for rows in (1, 8, 64, 128):
+    for rows in (1, 8, 64):
         for threads in (1, 16):
             probe(model, rows, threads, n_ctx)
 
