@@ -10,7 +10,8 @@ from cllm import responses
 from cllm.api import APIError
 from cllm.engine import Delta, RequestStream
 from cllm.formats import Choice, Format, usage
-from cllm.sequence import FINISH_ERROR, FINISH_LENGTH, FINISH_SHUTDOWN, FINISH_STOP, FINISH_TIMEOUT
+from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_SHUTDOWN, FINISH_STOP,
+                           FINISH_TIMEOUT)
 
 log = logging.getLogger("cllm.server")
 
@@ -77,6 +78,8 @@ class Generation:
         self.on_sequence_end = on_sequence_end
         self._merged = merge(streams)
         self._first: tuple[int, Delta] | None = None
+        self._open = set(range(len(streams)))  # sequences whose final delta has not come
+        self._tokens = [0] * len(streams)  # tokens each sequence has delivered
 
     async def first_event(self) -> None:
         """Wait for the first delta, so an early failure (queue full, timeout) can still be
@@ -84,6 +87,7 @@ class Generation:
         self._first = index, delta = await anext(self._merged)
         error = failure(delta) if delta.finish_reason is not None else None
         if error is not None:
+            self._open.discard(index)
             self.on_sequence_end(delta, error)
             await self.close()
             raise error
@@ -123,18 +127,28 @@ class Generation:
             await self.close()
 
     async def close(self) -> None:
+        """Abort what still runs. Those sequences (the client left, or a sibling failed) are
+        reported here as aborted: their own final deltas will reach no one."""
         await self._merged.aclose()
+        for index in sorted(self._open):
+            self.on_sequence_end(Delta("", [], finish_reason=FINISH_ABORT,
+                                       prompt_tokens=self.streams[index].seq.num_prompt_tokens,
+                                       completion_tokens=self._tokens[index]), None)
+        self._open.clear()
 
     async def _events(self) -> AsyncIterator[tuple[int, Delta]]:
         if self._first is not None:
             first, self._first = self._first, None
+            self._tokens[first[0]] += len(first[1].token_ids)
             yield first
-        async for item in self._merged:
-            yield item
+        async for index, delta in self._merged:
+            self._tokens[index] += len(delta.token_ids)
+            yield index, delta
 
     def _end_of(self, index: int, delta: Delta) -> APIError | None:
         if delta.finish_reason is None:
             return None
+        self._open.discard(index)
         error = failure(delta)
         self.on_sequence_end(delta, error)
         return error

@@ -733,6 +733,9 @@ async def _give_up_waiting(url: str) -> None:
 
 
 def test_clients_dropping_mid_stream_free_everything(server, http):
+    aborted = 'cllm_request_success_total{finish_reason="abort"}'
+    before = metrics(http).get(aborted, 0)
+
     async def main():
         drops = [_drop_mid_stream(server.url, i) for i in range(50)]
         gone = [_give_up_waiting(server.url) for _ in range(4)]
@@ -744,6 +747,7 @@ def test_clients_dropping_mid_stream_free_everything(server, http):
     assert wait_for_metric(server.url, "cllm_requests_running", idle, timeout=10) == 0
     assert wait_for_metric(server.url, "cllm_requests_waiting", idle, timeout=10) == 0
     assert wait_for_metric(server.url, "cllm_kv_cache_usage_ratio", idle, timeout=10) == 0
+    assert wait_for_metric(server.url, aborted, lambda v: v - before >= 54) - before == 54
     for _ in range(3):
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
                                                "ignore_eos": True})
