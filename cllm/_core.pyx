@@ -347,7 +347,7 @@ cdef class Context:
                 llama_sampler_accept(chain, token)
         self.chains[seq_id] = chain
 
-    cdef llama_sampler * _eog_bias(self):
+    cdef llama_sampler * _eog_bias(self) except NULL:
         """A sampler that sets every end-of-generation token's logit to -inf."""
         cdef llama_logit_bias * biases = <llama_logit_bias *> malloc(
             max(1, self.n_eog) * sizeof(llama_logit_bias))
