@@ -76,6 +76,7 @@ cdef class Model:
     cdef llama_model * model
     cdef const llama_vocab * vocab
     cdef readonly str path
+    cdef readonly tuple eog_tokens  # every token that ends generation (EOS, EOT, ...), by id
 
     def __cinit__(self, path, int n_gpu_layers=-1, bint repack=False):
         self.path = os.fspath(path)
@@ -93,6 +94,8 @@ cdef class Model:
             raise ModelLoadError(
                 f"{self.path}: llama.cpp could not load it (truncated, corrupt or unsupported GGUF)")
         self.vocab = llama_model_get_vocab(self.model)
+        self.eog_tokens = tuple(t for t in range(llama_vocab_n_tokens(self.vocab))
+                                if llama_vocab_is_eog(self.vocab, t))
 
     def __dealloc__(self):
         if self.model is not NULL:
@@ -279,7 +282,7 @@ cdef class Context:
         self.out_idx = <int32_t *> malloc(self.n_batch * sizeof(int32_t))
         self.out_logits = <float **> malloc(self.n_batch * sizeof(float *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
-        eog = [t for t in range(self.n_vocab) if llama_vocab_is_eog(model.vocab, t)]
+        eog = model.eog_tokens
         self.n_eog = len(eog)
         self.eog_ids = <int *> malloc(max(1, self.n_eog) * sizeof(int))
         if (self.chains is NULL or self.ban_eog is NULL or self.out_seq is NULL
@@ -423,18 +426,18 @@ cdef class Context:
         return out, self._logprobs(n_tokens, sample, top_logprobs, out)
 
     def decode_run(self, const int[::1] seq_ids, const int[::1] positions,
-                   const int[::1] last_tokens, const int[::1] budgets,
-                   const int[::1] stop_at_eog, int n_steps):
+                   const int[::1] last_tokens, const int[::1] budgets, int n_steps):
         """Up to `n_steps` decode steps in C for sequences that are past their prompts.
 
         Row r continues `seq_ids[r]` from `last_tokens[r]` at `positions[r]` and stops after
-        `budgets[r]` tokens, or after an end-of-generation token if `stop_at_eog[r]`. The run
+        `budgets[r]` tokens, or after an end-of-generation token (which a sequence set to
+        `ban_eog` never samples). The run
         ends early when every row has stopped, on `interrupt()`, or when the KV cache is full.
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
         Raises DecodeError if a step fails (the tokens of that step are lost)."""
         cdef Py_ssize_t n_rows = seq_ids.shape[0]
         if (positions.shape[0] != n_rows or last_tokens.shape[0] != n_rows
-                or budgets.shape[0] != n_rows or stop_at_eog.shape[0] != n_rows):
+                or budgets.shape[0] != n_rows):
             raise ValueError("every argument needs one entry per row")
         if n_rows > self.n_batch or n_steps < 1:
             raise ValueError(f"{n_rows} rows, {n_steps} steps: need 1..{self.n_batch} rows, 1+ steps")
@@ -444,7 +447,7 @@ cdef class Context:
         cdef int32_t rc
         self._interrupted = 0
         with nogil:
-            rc = self._run(seq_ids, positions, last_tokens, budgets, stop_at_eog, n_steps,
+            rc = self._run(seq_ids, positions, last_tokens, budgets, n_steps,
                            tokens.data.as_ints, counts.data.as_ints)
         if rc != 0 and rc != 1:
             raise DecodeError(rc, "invalid batch" if rc == -1 else "decode failed")
@@ -455,9 +458,8 @@ cdef class Context:
         self._interrupted = 1
 
     cdef int32_t _run(self, const int[::1] seq_ids, const int[::1] positions,
-                      const int[::1] last_tokens, const int[::1] budgets,
-                      const int[::1] stop_at_eog, int n_steps, int * tokens,
-                      int * counts) noexcept nogil:
+                      const int[::1] last_tokens, const int[::1] budgets, int n_steps,
+                      int * tokens, int * counts) noexcept nogil:
         cdef Py_ssize_t r, i, n, n_rows = seq_ids.shape[0]
         cdef int step
         cdef int32_t rc = 0
@@ -467,7 +469,7 @@ cdef class Context:
         for step in range(n_steps):
             n = 0
             for r in range(n_rows):
-                if self._continues(r, tokens + r * n_steps, counts[r], budgets, stop_at_eog):
+                if self._continues(tokens + r * n_steps, counts[r], budgets[r]):
                     rows[n] = <int> r
                     self.batch.token[n] = (last_tokens[r] if counts[r] == 0
                                            else tokens[r * n_steps + counts[r] - 1])
@@ -493,12 +495,10 @@ cdef class Context:
         free(rows)
         return rc
 
-    cdef bint _continues(self, Py_ssize_t r, const int * row_tokens, int count,
-                         const int[::1] budgets, const int[::1] stop_at_eog) noexcept nogil:
-        if count >= budgets[r]:
+    cdef bint _continues(self, const int * row_tokens, int count, int budget) noexcept nogil:
+        if count >= budget:
             return False
-        return count == 0 or not stop_at_eog[r] or not llama_vocab_is_eog(
-            self.model.vocab, row_tokens[count - 1])
+        return count == 0 or not llama_vocab_is_eog(self.model.vocab, row_tokens[count - 1])
 
     cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each

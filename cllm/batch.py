@@ -31,7 +31,7 @@ class StepRows:
 
 class RunRows:
     """A decode run's rows as the flat int arrays Context.decode_run takes."""
-    __slots__ = ("seq_ids", "positions", "last_tokens", "budgets", "stop_at_eog")
+    __slots__ = ("seq_ids", "positions", "last_tokens", "budgets")
 
     @classmethod
     def build(cls, out: SchedulerOutput, scheduler: Scheduler) -> RunRows:
@@ -42,5 +42,4 @@ class RunRows:
         rows.last_tokens = array("i", [s.token_ids(c.start, 1)[0]
                                        for s, c in zip(seqs, out.chunks)])
         rows.budgets = array("i", [scheduler.decode_budget(s) for s in seqs])
-        rows.stop_at_eog = array("i", [not s.sampling.ignore_eos for s in seqs])
         return rows

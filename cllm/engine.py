@@ -88,12 +88,12 @@ class Engine:
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
                                  kv_unified=config.kv_unified)
-        eog = frozenset(t for t in range(self.model.n_vocab) if self.model.is_eog(t))
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
                                    kv_capacity=self.ctx.n_ctx, max_seq_len=self.max_seq_len,
-                                   max_queue=config.max_queue, eog_tokens=eog)
+                                   max_queue=config.max_queue,
+                                   eog_tokens=frozenset(self.model.eog_tokens))
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where a step dwarfs it.
@@ -274,7 +274,7 @@ class Engine:
     def _decode_run(self, out: SchedulerOutput, rows: RunRows, n_steps: int, outbox: _Outbox):
         try:
             return self.ctx.decode_run(rows.seq_ids, rows.positions, rows.last_tokens,
-                                       rows.budgets, rows.stop_at_eog, n_steps)
+                                       rows.budgets, n_steps)
         except _core.DecodeError as exc:
             self._fail(out, exc, outbox)
         return None

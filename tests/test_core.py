@@ -57,6 +57,8 @@ def test_model_facts(model):
     assert model.n_vocab == 49152
     assert model.n_ctx_train == 8192
     assert model.is_eog(model.eos_token)
+    assert model.eog_tokens == tuple(t for t in range(model.n_vocab) if model.is_eog(t))
+    assert model.eos_token in model.eog_tokens
     assert not model.is_eog(model.tokenize("hello", add_special=False)[0])
     assert "<|im_start|>" in model.chat_template
     assert model.metadata["general.architecture"] == "llama"

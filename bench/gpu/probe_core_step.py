@@ -40,7 +40,7 @@ def probe(model, rows, threads, n_ctx, steps=40):
     t_decode = per_step(decode(0), steps)
     t_sampled = per_step(decode(1), steps)
     start = time.perf_counter()
-    ctx.decode_run(seqs, ints([pos[0]] * rows), last, ints([steps] * rows), ints([0] * rows), steps)
+    ctx.decode_run(seqs, ints([pos[0]] * rows), last, ints([steps] * rows), steps)
     t_run = (time.perf_counter() - start) / steps
     print(f"rows={rows:3d} threads={threads:2d}  decode {t_decode * 1e3:6.2f} ms  "
           f"+logits+argmax {t_sampled * 1e3:6.2f} ms  decode_run step {t_run * 1e3:6.2f} ms "
