@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cllm import _core
@@ -53,9 +54,11 @@ class Delta:
 class RequestStream:
     """An async iterator of Deltas for one sequence. Leaving it early aborts the sequence."""
 
-    def __init__(self, engine: Engine, seq: Sequence) -> None:
+    def __init__(self, engine: Engine, seq: Sequence,
+                 on_end: Callable[[Delta], None] | None = None) -> None:
         self.seq = seq
         self._engine = engine
+        self._on_end = on_end
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._done = False
@@ -78,6 +81,13 @@ class RequestStream:
         """Cancel the sequence; a no-op once it has finished."""
         if not self._done:
             self._engine.abort(self.seq)
+
+    def _deliver(self, delta: Delta) -> None:
+        """On the stream's event loop: queue the delta, and hand a final one to `on_end`, read
+        or not (a client that left still ends its sequence, with reason 'abort')."""
+        self._queue.put_nowait(delta)
+        if delta.finish_reason is not None and self._on_end is not None:
+            self._on_end(delta)
 
 
 class Engine:
@@ -110,9 +120,11 @@ class Engine:
     # ---- called from any thread ----
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a generation; must be called from a running event loop. Raises
-        PromptTooLongError (the prompt does not fit the context) and RuntimeError (stopping)."""
+               request_id: str | None = None,
+               on_end: Callable[[Delta], None] | None = None) -> RequestStream:
+        """Queue a generation; must be called from a running event loop, on which `on_end` gets
+        the final delta. Raises PromptTooLongError (the prompt does not fit the context) and
+        RuntimeError (stopping)."""
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         if not prompt_token_ids:
@@ -123,7 +135,7 @@ class Engine:
         now = time.monotonic()
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
                        arrival_time=now, deadline=now + self.config.request_timeout)
-        stream = RequestStream(self, seq)
+        stream = RequestStream(self, seq, on_end)
         self._post(("add", stream))
         return stream
 
@@ -354,7 +366,7 @@ class _Outbox:
         self._by_loop: dict = defaultdict(list)
 
     def add(self, stream: RequestStream, delta: Delta) -> None:
-        self._by_loop[stream._loop].append((stream._queue, delta))
+        self._by_loop[stream._loop].append((stream, delta))
 
     def deliver(self) -> None:
         for loop, items in self._by_loop.items():
@@ -366,5 +378,5 @@ class _Outbox:
 
 
 def _put_all(items) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
+    for stream, delta in items:
+        stream._deliver(delta)

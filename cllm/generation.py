@@ -3,17 +3,13 @@ failure turned into a stated error and every stream aborted if the client goes a
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from cllm import responses
 from cllm.api import APIError
 from cllm.engine import Delta, RequestStream
 from cllm.formats import Choice, Format, usage
-from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_SHUTDOWN, FINISH_STOP,
-                           FINISH_TIMEOUT)
-
-log = logging.getLogger("cllm.server")
+from cllm.sequence import FINISH_ERROR, FINISH_LENGTH, FINISH_SHUTDOWN, FINISH_STOP, FINISH_TIMEOUT
 
 # Reasons a sequence ends without a usable result, as HTTP errors.
 _FAILURES = {
@@ -25,7 +21,7 @@ _FAILURES = {
 
 
 class SequenceFailure(APIError):
-    """The error a sequence ended with. `on_sequence_end` has counted it by the time it is
+    """The error a sequence ended with. Its stream's `on_end` has counted it by the time it is
     raised: the route must not count it again."""
 
 
@@ -69,26 +65,20 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]
 
 
 class Generation:
-    """n streams answering one request. `on_sequence_end` sees each final delta (metrics, logs)."""
+    """n streams answering one request. Each stream reports its own end (metrics, logs)."""
 
-    def __init__(self, streams: list[RequestStream], fmt: Format,
-                 on_sequence_end: Callable[[Delta, APIError | None], None]) -> None:
+    def __init__(self, streams: list[RequestStream], fmt: Format) -> None:
         self.streams = streams
         self.fmt = fmt
-        self.on_sequence_end = on_sequence_end
         self._merged = merge(streams)
         self._first: tuple[int, Delta] | None = None
-        self._open = set(range(len(streams)))  # sequences whose final delta has not come
-        self._tokens = [0] * len(streams)  # tokens each sequence has delivered
 
     async def first_event(self) -> None:
         """Wait for the first delta, so an early failure (queue full, timeout) can still be
         answered with its own status instead of a 200 stream."""
         self._first = index, delta = await anext(self._merged)
-        error = failure(delta) if delta.finish_reason is not None else None
+        error = failure(delta)
         if error is not None:
-            self._open.discard(index)
-            self.on_sequence_end(delta, error)
             await self.close()
             raise error
 
@@ -97,7 +87,7 @@ class Generation:
         try:
             async for index, delta in self._events():
                 choices[index].add(delta)
-                error = self._end_of(index, delta)
+                error = failure(delta)
                 if error is not None:
                     raise error
         finally:
@@ -111,7 +101,7 @@ class Generation:
         try:
             async for index, delta in self._events():
                 choices[index].add(delta)
-                error = self._end_of(index, delta)
+                error = failure(delta)
                 if error is not None:
                     yield responses.sse_event(self.fmt.error_body(error))
                     break
@@ -127,28 +117,12 @@ class Generation:
             await self.close()
 
     async def close(self) -> None:
-        """Abort what still runs. Those sequences (the client left, or a sibling failed) are
-        reported here as aborted: their own final deltas will reach no one."""
+        """Abort the sequences still running (the client left, or a sibling failed)."""
         await self._merged.aclose()
-        for index in sorted(self._open):
-            self.on_sequence_end(Delta("", [], finish_reason=FINISH_ABORT,
-                                       prompt_tokens=self.streams[index].seq.num_prompt_tokens,
-                                       completion_tokens=self._tokens[index]), None)
-        self._open.clear()
 
     async def _events(self) -> AsyncIterator[tuple[int, Delta]]:
         if self._first is not None:
             first, self._first = self._first, None
-            self._tokens[first[0]] += len(first[1].token_ids)
             yield first
-        async for index, delta in self._merged:
-            self._tokens[index] += len(delta.token_ids)
-            yield index, delta
-
-    def _end_of(self, index: int, delta: Delta) -> APIError | None:
-        if delta.finish_reason is None:
-            return None
-        self._open.discard(index)
-        error = failure(delta)
-        self.on_sequence_end(delta, error)
-        return error
+        async for item in self._merged:
+            yield item

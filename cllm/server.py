@@ -24,8 +24,9 @@ from cllm.api import APIError
 from cllm.config import SamplingParams, ServerConfig
 from cllm.engine import Delta, Engine, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
-from cllm.generation import Generation, SequenceFailure
+from cllm.generation import Generation, SequenceFailure, failure
 from cllm.metrics import CONTENT_TYPE, Metrics
+from cllm.sequence import FINISH_ABORT
 
 log = logging.getLogger("cllm.server")
 
@@ -75,7 +76,10 @@ class AppState:
     def piece(self, token: int) -> str:
         return self.engine.model.token_to_piece(token).decode("utf-8", "replace")
 
-    def sequence_ended(self, delta: Delta, error: APIError | None) -> None:
+    def sequence_ended(self, delta: Delta) -> None:
+        """Every sequence's final delta, whether or not its client is still reading. An abort is
+        the client's doing (it left), not a failure of the server."""
+        error = failure(delta) if delta.finish_reason != FINISH_ABORT else None
         self.metrics.record_sequence(delta)
         self.metrics.record_outcome(delta.finish_reason, error.status if error else None)
         if self.config.log_requests:
@@ -157,12 +161,13 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
         for i in range(n):
             # n choices with one seed must still differ from each other.
             params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
-            streams.append(engine.submit(prompt, params, f"{fmt.request_id}-{i}"))
+            streams.append(engine.submit(prompt, params, f"{fmt.request_id}-{i}",
+                                         on_end=state.sequence_ended))
     except PromptTooLongError as exc:
         for s in streams:
             s.abort()
         raise APIError(400, str(exc), code="context_length_exceeded", param="prompt") from exc
-    generation = Generation(streams, fmt, state.sequence_ended)
+    generation = Generation(streams, fmt)
     if stream:
         await until_disconnect(request, generation.first_event())
         return SSEResponse(generation.sse(include_usage))

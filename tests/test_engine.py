@@ -134,6 +134,31 @@ def test_abort_mid_stream_frees_its_seq_id_within_a_step(engine):
     assert_idle(engine)
 
 
+def test_on_end_gets_each_final_delta_once_read_or_not(engine):
+    async def scenario():
+        ended = []
+        tokens = engine.model.tokenize("Count: one, two,")
+        read = engine.submit(tokens, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                             on_end=ended.append)
+        async for _ in read:
+            pass
+        left = engine.submit(tokens, SamplingParams(max_tokens=500, temperature=0,
+                                                    ignore_eos=True), on_end=ended.append)
+        async for delta in left:
+            if delta.token_ids:
+                break
+        left.abort()  # its final delta is never read
+        while len(ended) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # a second report would have arrived by now
+        return ended
+
+    ended = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert [d.finish_reason for d in ended] == [FINISH_LENGTH, FINISH_ABORT]
+    assert ended[0].completion_tokens == 3 and 0 < ended[1].completion_tokens < 500
+    assert_idle(engine)
+
+
 def test_prompt_longer_than_a_sequence_context_is_refused(engine):
     async def scenario():
         return engine.submit(list(range(100, 100 + engine.max_seq_len)), SamplingParams())
