@@ -3,6 +3,9 @@ import pytest
 
 from cllm.models import resolve_model
 
+# The shared HTTP checks are plain asserts: show their operands as in a test module.
+pytest.register_assert_rewrite("http_checks")
+
 
 @pytest.fixture(scope="session")
 def model_path() -> str:

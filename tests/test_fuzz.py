@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from http_checks import assert_error, sse_payloads
 from server_process import ServerProcess
 
 STATUSES: collections.Counter = collections.Counter()  # (path, status): count, printed at the end
@@ -111,20 +112,11 @@ def check(http: httpx.Client, path: str, content: bytes) -> None:
     STATUSES[path, r.status_code] += 1
     assert r.status_code < 500, (r.status_code, r.text[:500])
     if r.status_code >= 400:
-        assert r.headers["content-type"].startswith("application/json"), r.headers
-        body = r.json()
-        assert set(body) == ({"success", "error"} if path == "/generate" else {"error"}), body
-        error = body["error"]
-        assert isinstance(error["message"], str) and error["message"], body
-        assert isinstance(error["type"], str) and error["type"], body
-        assert "code" in error, body
+        assert_error(r, r.status_code, generate=path == "/generate")
         return
     assert r.status_code == 200, r.text[:500]
     if r.headers["content-type"].startswith("text/event-stream"):
-        assert r.content.endswith(b"data: [DONE]\n\n"), r.content[-300:]
-        for sse in r.content.split(b"\n\n")[:-2]:
-            payload = json.loads(sse.removeprefix(b"data: "))
-            assert isinstance(payload, dict)
+        assert all(isinstance(payload, dict) for payload in sse_payloads(r.content))
     else:
         assert isinstance(r.json(), dict)
 

@@ -1,9 +1,10 @@
 """cllm.serve's options: flag over CLLM_ variable over TOML file over default, and bad values
-refused before anything loads."""
+refused before anything loads, from flags and from a real process."""
 import pytest
 
 from cllm import serve
 from cllm.config import EngineConfig
+from server_process import ServerProcess
 
 
 def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):
@@ -27,3 +28,20 @@ def test_bad_values_exit_2_with_the_reason(argv, reason, capsys):
     assert serve.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("cllm: error:") and reason in err
+
+
+@pytest.mark.parametrize("content", [None, b"this is not a GGUF file\n"])
+def test_bad_model_path_exits_with_one_line(tmp_path, content):
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    srv = ServerProcess("--model", str(path)).spawn()
+    try:
+        rc = srv.wait(timeout=60)
+    finally:
+        srv.kill()
+    assert rc == 2  # a usage error, before anything loads
+    err = srv.stderr.strip()
+    assert "Traceback" not in srv.log
+    assert len(err.splitlines()) == 1, err
+    assert str(path) in err and "error" in err.lower()

@@ -13,8 +13,8 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from http_checks import assert_error, metrics, post_stream, sse_payloads, wait_for_metric
 from server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
@@ -51,71 +51,6 @@ def limits():
         yield srv
 
 
-def sse_payloads(body: bytes) -> list:
-    """The JSON payloads of an SSE body, checking its framing: only `data: <json>\\n\\n`
-    events, the last of them `data: [DONE]\\n\\n`."""
-    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
-    events = body.split(b"\n\n")
-    assert events.pop() == b""
-    for event in events:
-        assert event.startswith(b"data: ") and b"\n" not in event, event
-    payloads = [event[len(b"data: "):] for event in events]
-    assert payloads.pop() == b"[DONE]"
-    assert b"[DONE]" not in payloads
-    return [json.loads(p) for p in payloads]
-
-
-def post_stream(http: httpx.Client, path: str, body: dict) -> tuple[httpx.Response, bytes]:
-    with http.stream("POST", path, json=body) as r:
-        return r, r.read()
-
-
-def assert_error(response: httpx.Response, status: int, *, generate: bool = False,
-                 type_: str | None = None, code: str | None = None) -> dict:
-    """An error response: the status, and {"error": {"message", "type", "code"}} (with
-    "success": false for /generate, the original API)."""
-    assert response.status_code == status, (response.status_code, response.text)
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == ({"success", "error"} if generate else {"error"}), body
-    if generate:
-        assert body["success"] is False
-    error = body["error"]
-    assert {"message", "type", "code"} <= set(error), error
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    if type_ is not None:
-        assert error["type"] == type_, error
-    if code is not None:
-        assert error["code"] == code, error
-    return error
-
-
-def metrics(http_or_url) -> dict[str, float]:
-    """Every sample of GET /metrics, keyed `name{label="value",...}` (labels sorted)."""
-    if isinstance(http_or_url, str):
-        r = httpx.get(http_or_url + "/metrics", timeout=30)
-    else:
-        r = http_or_url.get("/metrics")
-    assert r.status_code == 200
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def wait_for_metric(url: str, name: str, predicate, timeout: float = 10.0) -> float:
-    """Poll /metrics until predicate(value of name) holds; the last value either way."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = metrics(url).get(name)
-        if (value is not None and predicate(value)) or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
-
-
 def n_tokens(http: httpx.Client, text: str) -> int:
     r = http.post("/tokenize", json={"content": text, "add_special": True})
     assert r.status_code == 200
@@ -134,15 +69,6 @@ def test_completion(client, http):
     assert r.usage.prompt_tokens == n_tokens(http, PROMPT)
     assert r.usage.completion_tokens == 8
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
-
-
-def test_completion_stops_at_eos_without_ignore_eos(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0)
-    (choice,) = r.choices
-    assert choice.finish_reason in ("stop", "length")
-    assert 1 <= r.usage.completion_tokens <= 64
-    if choice.finish_reason == "length":
-        assert r.usage.completion_tokens == 64
 
 
 def test_ignore_eos_streams_text_where_the_model_would_end(client):
@@ -324,6 +250,9 @@ def test_generate(http):
     r = http.post("/generate", json={"prompt": PROMPT, "temperature": 0.7, "top_p": 0.9,
                                      "top_k": 40, "stream": False})
     assert r.status_code == 200 and 1 <= r.json()["data"]["generated_tokens"] <= 16
+    r = http.post("/generate", json={"prompt": PROMPT, "ignore_eos": True})
+    assert r.status_code == 200
+    assert r.json()["data"]["generated_tokens"] == 16 and r.json()["data"]["finish_reason"] == "length"
 
     # Streamed: each event carries the new text and the count so far.
     response, raw = post_stream(http, "/generate", {**body, "stream": True})
@@ -688,23 +617,6 @@ def test_sigterm_past_the_grace_period_ends_requests_with_503():
                                           content=raw)
                 assert_error(response, 503, generate=generate, code="shutting_down")
         assert "Traceback" not in srv.log
-
-
-@pytest.mark.parametrize("content", [None, b"this is not a GGUF file\n"])
-def test_bad_model_path_exits_with_one_line(tmp_path, content):
-    path = tmp_path / "model.gguf"
-    if content is not None:
-        path.write_bytes(content)
-    srv = ServerProcess("--model", str(path)).spawn()
-    try:
-        rc = srv.wait(timeout=60)
-    finally:
-        srv.kill()
-    assert rc != 0
-    err = srv.stderr.strip()
-    assert "Traceback" not in srv.log
-    assert len(err.splitlines()) == 1, err
-    assert str(path) in err and "error" in err.lower()
 
 
 # ---- clients that leave, and many at once ----

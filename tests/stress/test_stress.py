@@ -21,8 +21,8 @@ import random
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from http_checks import metrics
 from server_process import ServerProcess
 
 CONCURRENCY = 64
@@ -173,10 +173,9 @@ def idle_metrics(url: str, timeout: float = 10.0) -> dict:
     names = ("cllm_requests_running", "cllm_requests_waiting", "cllm_kv_cache_usage_ratio")
     deadline = time.monotonic() + timeout
     while True:
-        text = httpx.get(url + "/metrics", timeout=30).text
-        values = {s.name: s.value for f in text_string_to_metric_families(text)
-                  for s in f.samples if s.name in names}
-        if all(values.get(n) == 0 for n in names) or time.monotonic() > deadline:
+        sample = metrics(url)
+        values = {n: sample.get(n) for n in names}
+        if all(v == 0 for v in values.values()) or time.monotonic() > deadline:
             return values
         time.sleep(0.1)
 
