@@ -66,14 +66,14 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
     if args.cllm:
         targets.append(_started(start_cllm(args.model or DEFAULT_ALIAS, s, logs), stack, data))
     if args.engine_direct:
-        path = _model_path(args)
+        path = resolve_model(args.model)
         engine = EngineTarget(str(path), s, load_settings(args))
         stack.callback(engine.shutdown)
         targets.append(Target("cllm-engine", model=path.name, send=engine.send, engine=engine))
     if args.batched_bench:
         build(("llama-server", "llama-batched-bench"))
     if args.peer:
-        targets.append(_started(start_peer(_model_path(args), s, logs), stack, data))
+        targets.append(_started(start_peer(resolve_model(args.model), s, logs), stack, data))
     for url in args.url:
         name = urlsplit(url).netloc or url
         targets.append(Target(name, url=url, model=args.model))
@@ -85,10 +85,6 @@ def _started(server: StartedServer, stack: ExitStack, data: dict) -> Target:
     data["servers"][server.name] = {"url": server.url, "command": server.process.args,
                                     "log": str(server.log_path)}
     return Target(server.name, url=server.url)
-
-
-def _model_path(args: argparse.Namespace) -> Path:
-    return resolve_model(args.model)
 
 
 async def _measure_all(args: argparse.Namespace, targets: list[Target], data: dict) -> None:
@@ -125,7 +121,7 @@ def _prompts(args: argparse.Namespace, count: int) -> list[str]:
 async def _measure(t: Target, level: int, level_prompts: list[str], warmup: int) -> dict:
     warm, measured = level_prompts[:warmup], level_prompts[warmup:]
     load_before = os.getloadavg()[0]  # on a shared machine, says how busy it was
-    warm_results, _ = await run_level(t.send, warm, level) if warm else ([], 0.0)
+    warm_results, _ = await run_level(t.send, warm, level)
     if t.engine is not None:
         t.engine.reset_timer()
     results, duration = await run_level(t.send, measured, level, desc=f"{t.name} c={level}")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import time
 
+from cllm.sequence import FINISH_LENGTH, FINISH_STOP
+
 from .loadgen import LoadSettings, RequestResult, check_tokens
 from .servers import ServerSettings
 
 
 def _failed_finish(reason: str) -> str | None:
     """Only stop and length are a normal end; abort, timeout, error and shutdown are failures."""
-    return None if reason in ("stop", "length") else f"finished with reason {reason!r}"
+    return None if reason in (FINISH_STOP, FINISH_LENGTH) else f"finished with reason {reason!r}"
 
 
 class EngineTarget:
@@ -36,15 +38,9 @@ class EngineTarget:
         r = RequestResult(start=time.perf_counter())
         try:
             stream = self.engine.submit(self.engine.model.tokenize(prompt), self.sampling)
-            last = None
             async for delta in stream:
-                now = time.perf_counter()
                 if delta.token_ids:
-                    if last is None:
-                        r.ttft = now - r.start
-                    else:
-                        r.itl.append(now - last)
-                    last = now
+                    r.arrive(time.perf_counter())
                 if delta.finish_reason is not None:
                     r.finish_reason = delta.finish_reason
                     r.prompt_tokens = delta.prompt_tokens

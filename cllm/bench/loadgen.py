@@ -38,6 +38,15 @@ class RequestResult:
     streamed: bool = True
     finish_reason: str | None = None
     error: str | None = None
+    last_arrival: float | None = None  # when the latest chunk with output came
+
+    def arrive(self, now: float) -> None:
+        """A chunk carrying output came at `now`: the first sets ttft, each later one a gap."""
+        if self.last_arrival is None:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last_arrival)
+        self.last_arrival = now
 
     @property
     def ok(self) -> bool:
@@ -63,7 +72,6 @@ class StreamParser:
         self.chunks = 0
         self.done = False
         self._usage_tokens: int | None = None
-        self._last: float | None = None
 
     def feed(self, line: str, now: float) -> None:
         if not line.startswith("data:"):
@@ -83,15 +91,8 @@ class StreamParser:
         for choice in chunk.get("choices") or ():
             self.result.finish_reason = choice.get("finish_reason") or self.result.finish_reason
         if any(choice_text(c) for c in chunk.get("choices") or ()):
-            self._arrival(now)
-
-    def _arrival(self, now: float) -> None:
-        self.chunks += 1
-        if self._last is None:
-            self.result.ttft = now - self.result.start
-        else:
-            self.result.itl.append(now - self._last)
-        self._last = now
+            self.chunks += 1
+            self.result.arrive(now)
 
     def finish(self, now: float) -> RequestResult:
         r = self.result

@@ -89,7 +89,7 @@ def _newest_mtime(tree: Path) -> float:
     return newest
 
 
-def build(targets: tuple[str, ...] = ("llama-server",), jobs: int | None = None) -> dict[str, Path]:
+def build(targets: tuple[str, ...] = ("llama-server",)) -> dict[str, Path]:
     """Configures and builds `targets` unless each binary exists and is newer than the tree."""
     prebuilt = os.environ.get("CLLM_PEER_BIN")  # e.g. cllm's own build with -DCLLM_BUILD_PEER=ON
     if prebuilt:
@@ -100,7 +100,7 @@ def build(targets: tuple[str, ...] = ("llama-server",), jobs: int | None = None)
     binaries = {t: out / "bin" / t for t in targets}
     if all(b.is_file() and b.stat().st_mtime > _newest_mtime(tree) for b in binaries.values()):
         return binaries
-    jobs = jobs or os.cpu_count() or 2
+    jobs = os.cpu_count() or 2
     started = time.monotonic()
     say(f"building {', '.join(targets)} from {tree} into {out} (-j{jobs}); this takes minutes")
     source = _source_with_ui_stub(tree)
