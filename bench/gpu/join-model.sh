@@ -19,6 +19,6 @@ setsid nohup bash -c "python3 -m pip install --no-build-isolation --no-deps -v -
 while [ ! -f $W/build.rc ] && [ $(( $(date +%s) - start )) -lt 540 ]; do sleep 3; done
 echo "build seconds: $(( $(date +%s) - start )) rc=$(cat $W/build.rc 2>/dev/null)"
 grep -E "CMake Error|error:" $W/build.log | head -5; tail -2 $W/build.log
-ls -la $W/build/llama.cpp/bin/ 2>/dev/null
+ls -la $W/build/bin/ 2>/dev/null
 cd /tmp && CLLM_CACHE_DIR=$W/cache PYTHONPATH=$W/site python3 -c "
 from cllm import _core; print(_core.system_info()); print('gpu offload', _core.supports_gpu_offload())"

@@ -14,5 +14,5 @@ setsid nohup bash -c "python3 -m pip install --no-build-isolation --no-deps -v -
 while [ ! -f $W/build.rc ] && [ $(( $(date +%s) - start )) -lt 540 ]; do sleep 5; done
 echo "build seconds: $(( $(date +%s) - start )) rc=$(cat $W/build.rc 2>/dev/null)"
 tail -5 $W/build.log
-ls -la $W/build/llama.cpp/bin/ 2>/dev/null
+ls -la $W/build/bin/ 2>/dev/null
 cp $W/build.log $OUT/ 2>/dev/null
