@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from cllm.bench.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,12 +56,6 @@ def server_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
