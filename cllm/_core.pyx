@@ -376,13 +376,39 @@ cdef class Context:
         self._free_chain(seq_id)
         self.ban_eog[seq_id] = 0
 
+    def end_sequence(self, int seq_id):
+        """Free `seq_id`'s sampler; its KV cells stay, as a prefix a later sequence may reuse."""
+        self._check_seq(seq_id)
+        self._free_chain(seq_id)
+        self.ban_eog[seq_id] = 0
+
+    def share_prefix(self, int dst, int src, int length):
+        """Make `dst` hold exactly the first `length` positions of `src` (dst == src: drop the
+        rest). In a unified cache the cells are shared, not copied; between split streams
+        llama.cpp copies src's whole stream at the next decode, and dst keeps the prefix."""
+        self._check_seq(dst)
+        self._check_seq(src)
+        if length < 0:
+            raise ValueError(f"length {length} is negative")
+        cdef llama_memory_t mem = llama_get_memory(self.ctx)
+        if src != dst:
+            llama_memory_seq_rm(mem, dst, -1, -1)
+            if length == 0:
+                return
+            if self.kv_unified:
+                llama_memory_seq_cp(mem, src, dst, 0, length)
+                return
+            llama_memory_seq_cp(mem, src, dst, -1, -1)
+        llama_memory_seq_rm(mem, dst, length, -1)
+
     def seq_pos_max(self, int seq_id):
         """The last position of `seq_id` in the KV cache, -1 when it holds none."""
         self._check_seq(seq_id)
         return llama_memory_seq_pos_max(llama_get_memory(self.ctx), seq_id)
 
     def kv_cells_used(self):
-        """KV cells held by all sequences together."""
+        """KV positions held, summed over sequences: a cell that several sequences share
+        counts once for each."""
         cdef llama_memory_t mem = llama_get_memory(self.ctx)
         cdef int seq_id, used = 0
         cdef llama_pos lo, hi

@@ -106,6 +106,8 @@ cdef extern from "llama.h" nogil:
                                  int32_t length, int32_t lstrip, bint special)
 
     bint llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1)
+    void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src,
+                             llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1)
     llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id)
     llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id)
 

@@ -61,11 +61,14 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     n_ctx: int = 32768  # KV cells shared by all sequences (or n_ctx / n_parallel each, split)
     n_parallel: int = 16
-    # One pool of cells for all sequences, preempting when it runs out. Split (False), each
-    # sequence attends over its own cells only, so on the CPU its greedy output does not depend
-    # on its batch; but llama.cpp then decodes sequences at different lengths ~8x slower on a
-    # GPU (measured on an H200).
-    kv_unified: bool = True
+    # True: one pool of cells for all sequences, preempting when it runs out; every row attends
+    # over the pool's occupied span. False: a stream of n_ctx / n_parallel cells per sequence,
+    # which attends over its own cells only: on the CPU that is faster with long prompts and a
+    # greedy output does not depend on its batch, but llama.cpp decodes sequences of different
+    # lengths ~8x slower that way on a GPU (H200). None: split on a CPU, one pool on a GPU
+    # (ARCHITECTURE.md has the measurements).
+    kv_unified: bool | None = None
+    prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int = 0  # 0: all cores

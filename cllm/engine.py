@@ -47,6 +47,7 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     completion_tokens: int = 0
     timings: dict[str, float] | None = None
 
@@ -94,20 +95,25 @@ class Engine:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         self.config = config
         self.model = _core.Model(model_path, n_gpu_layers=config.n_gpu_layers)
-        self.ctx = _core.Context(self.model, n_ctx=config.n_ctx, n_seq_max=config.n_parallel,
+        gpu = _core.supports_gpu_offload()
+        self.kv_unified = gpu if config.kv_unified is None else config.kv_unified
+        self.ctx = _core.Context(self.model, n_ctx=config.n_ctx,
+                                 n_seq_max=_slots(config.n_parallel, self.kv_unified),
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
-                                 kv_unified=config.kv_unified)
+                                 kv_unified=self.kv_unified)
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
                                    kv_capacity=self.ctx.n_ctx, max_seq_len=self.max_seq_len,
                                    max_queue=config.max_queue,
-                                   eog_tokens=frozenset(self.model.eog_tokens))
+                                   eog_tokens=frozenset(self.model.eog_tokens),
+                                   n_slots=self.ctx.n_seq_max, shared_kv=self.kv_unified,
+                                   prefix_cache=config.prefix_cache)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where a step dwarfs it.
-        self.decode_steps = config.decode_steps or (8 if _core.supports_gpu_offload() else 1)
+        self.decode_steps = config.decode_steps or (8 if gpu else 1)
         self._run_ahead = True
         self._live: dict[Sequence, _Live] = {}
         self._inbox: deque = deque()
@@ -121,10 +127,12 @@ class Engine:
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                request_id: str | None = None,
-               on_end: Callable[[Delta], None] | None = None) -> RequestStream:
+               on_end: Callable[[Delta], None] | None = None,
+               cache_prompt: bool = True) -> RequestStream:
         """Queue a generation; must be called from a running event loop, on which `on_end` gets
-        the final delta. Raises PromptTooLongError (the prompt does not fit the context) and
-        RuntimeError (stopping)."""
+        the final delta. `cache_prompt=False` computes the whole prompt, whatever is cached.
+        Raises PromptTooLongError (the prompt does not fit the context) and RuntimeError
+        (stopping)."""
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         if not prompt_token_ids:
@@ -134,7 +142,8 @@ class Engine:
                                      f"context holds {self.max_seq_len}")
         now = time.monotonic()
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
-                       arrival_time=now, deadline=now + self.config.request_timeout)
+                       arrival_time=now, deadline=now + self.config.request_timeout,
+                       cache_prompt=cache_prompt)
         stream = RequestStream(self, seq, on_end)
         self._post(("add", stream))
         return stream
@@ -158,7 +167,14 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        return self.scheduler.kv_used / self.scheduler.kv_capacity
+        """Share of the KV cells that running sequences hold (cached prefixes are evictable,
+        so they count as free here; `cached_cells` counts them)."""
+        return (self.scheduler.kv_used - self.cached_cells) / self.scheduler.kv_capacity
+
+    @property
+    def cached_cells(self) -> int:
+        """KV cells that hold cached prefixes no running sequence uses."""
+        return self.scheduler.cache.cached_cells
 
     def _post(self, message) -> None:
         self._inbox.append(message)
@@ -218,6 +234,7 @@ class Engine:
             outbox.deliver()
             return
         n_steps = self._run_length(out)
+        self._apply_kv_ops(self.scheduler.take_kv_ops())  # evictions that make room for a run
         if n_steps > 1:
             rows = RunRows.build(out, self.scheduler)
             timer.lap("schedule")
@@ -250,18 +267,24 @@ class Engine:
         for chunk in out.chunks:
             if chunk.length != 1 or not chunk.samples or chunk.seq.sampling.logprobs is not None:
                 return 1
-        if self.config.kv_unified:  # the pool must hold every row's run
-            free = self.scheduler.kv_capacity - self.scheduler.kv_used
-            steps = min(steps, free // len(out.chunks))
-        return steps
+        return self.scheduler.room_for_run(len(out.chunks), steps)  # the pool holds every row's run
 
     def _free_released(self) -> None:
+        self._apply_kv_ops(self.scheduler.take_kv_ops())
         for seq_id in self.scheduler.take_released():
-            self.ctx.remove_sequence(seq_id)
+            self.ctx.end_sequence(seq_id)
+
+    def _apply_kv_ops(self, ops) -> None:
+        for op in ops:
+            if op.kind == "clear":
+                self.ctx.remove_sequence(op.dst)
+            else:
+                self.ctx.share_prefix(op.dst, op.src, op.length)
 
     def _prepare_sequences(self, out: SchedulerOutput) -> None:
         for seq_id in out.released:  # timed out or preempted while planning this step
-            self.ctx.remove_sequence(seq_id)
+            self.ctx.end_sequence(seq_id)
+        self._apply_kv_ops(out.kv_ops)  # cache evictions and the started sequences' prefixes
         for seq in out.started:
             p = seq.sampling
             self.ctx.set_sampler(
@@ -335,7 +358,7 @@ class Engine:
         outbox.add(live.stream, Delta(
             text, live.pending, live.take_logprobs(), finish_reason=seq.finish_reason,
             error=seq.error, prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens, timings=seq.timings()))
+            cached_tokens=seq.num_cached_tokens, completion_tokens=seq.num_output_tokens, timings=seq.timings()))
 
     def _finish_all(self, reason: str, error: str) -> None:
         outbox = _Outbox()
@@ -343,6 +366,13 @@ class Engine:
             self._end(seq, reason, error, outbox)
         self._free_released()
         outbox.deliver()
+
+
+def _slots(n_parallel: int, kv_unified: bool) -> int:
+    """Seq ids to create. In one pool, twice the running sequences (up to llama.cpp's 256), so
+    finished sequences' prefixes stay cached while every running slot is taken; split, each id
+    is a stream with its own share of the cells, and idle streams are the cache."""
+    return min(256, max(2 * n_parallel, n_parallel + 8)) if kv_unified else n_parallel
 
 
 @dataclass(slots=True)

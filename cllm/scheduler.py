@@ -1,13 +1,16 @@
 """Continuous batching: which sequences run this step and how many tokens each feeds.
 
-Pure Python over token counts; it never calls llama.cpp. It owns every sequence's lifetime: a seq
-id and KV cells are taken on admission and given back exactly once, when the sequence finishes or
-is preempted; the engine learns of both from the next `SchedulerOutput`."""
+Pure Python over token counts; it never calls llama.cpp. It owns every sequence's lifetime: a slot
+(seq id) and KV cells are taken on admission and given back exactly once, when the sequence
+finishes or is preempted. A given-back slot keeps its KV as a cached prefix (cllm.prefix_cache)
+that later sequences start from. The engine learns of every change to llama.cpp's KV as `KvOp`s,
+in order, from `take_kv_ops()` (a step's own are in its `SchedulerOutput`)."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from cllm.prefix_cache import KvOp, Placement, PrefixCache, Slot, common_prefix
 from cllm.sequence import (FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT, Sequence,
                            SequenceStatus)
 
@@ -29,7 +32,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     started: list[Sequence] = field(default_factory=list)  # took a seq id this step
-    released: list[int] = field(default_factory=list)      # seq ids whose KV the engine must free
+    released: list[int] = field(default_factory=list)      # seq ids whose sequences ended
+    kv_ops: list[KvOp] = field(default_factory=list)       # KV changes to make before decoding
     expired: list[Sequence] = field(default_factory=list)  # timed out since the last step
 
     @property
@@ -39,26 +43,46 @@ class SchedulerOutput:
 
 class Scheduler:
     """Each step fills a token budget: running decodes first, then prefill chunks of running and
-    then waiting sequences (FIFO), so a long prompt never stalls the streams already running."""
+    then waiting sequences (FIFO), so a long prompt never stalls the streams already running.
+
+    `max_seqs` sequences run at once in `n_slots` slots (more slots keep more cached prefixes).
+    `shared_kv`: one pool of `kv_capacity` cells for all slots, where cached prefixes are evicted
+    (least recently used) and then running sequences preempted when cells run out; otherwise each
+    slot is a stream of `max_seq_len` cells that its sequence can never outgrow."""
+
+    # A sequence whose prompt shares at least this many more tokens with one still being
+    # prefilled waits for them rather than computing them a second time; a shorter common
+    # prefix (a chat template's first line) is cheaper to compute than to wait for.
+    MIN_SHARED_WAIT = 32
 
     def __init__(self, *, max_seqs: int, token_budget: int, kv_capacity: int, max_queue: int,
-                 max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset()) -> None:
+                 max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset(),
+                 n_slots: int | None = None, shared_kv: bool = True,
+                 prefix_cache: bool = True) -> None:
+        self.max_seqs = max_seqs
         self.token_budget = token_budget
         self.kv_capacity = kv_capacity
         self.max_seq_len = max_seq_len or kv_capacity  # cells one sequence may hold
         self.max_queue = max_queue
         self.eog_tokens = eog_tokens
+        self.cache = PrefixCache(n_slots or max_seqs, shared_cells=shared_kv,
+                                 enabled=prefix_cache)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_seq_ids: list[int] = list(range(max_seqs - 1, -1, -1))
-        self.kv_used = 0  # cells holding computed tokens of running sequences
+        self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
         self._step_cells = 0  # cells the step being planned will fill
         self.num_preemptions = 0
         self._released: list[int] = []
+        self._kv_ops: list[KvOp] = []
+
+    @property
+    def kv_used(self) -> int:
+        """KV cells held, each counted once however many slots share it."""
+        return self.cache.cells_used
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._released)
+        return bool(self.waiting or self.running or self._released or self._kv_ops)
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -90,12 +114,18 @@ class Scheduler:
         budget = self._schedule_running(out, self.token_budget, now)
         self._admit_waiting(out, budget, now)
         out.released = self.take_released()
+        out.kv_ops = self.take_kv_ops()
         return out
 
     def take_released(self) -> list[int]:
-        """Seq ids given back since the last call, whose KV cells the engine must clear."""
+        """Seq ids whose sequences ended since the last call (their samplers can go)."""
         released, self._released = self._released, []
         return released
+
+    def take_kv_ops(self) -> list[KvOp]:
+        """Changes to llama.cpp's KV decided since the last call, to be made in this order."""
+        ops, self._kv_ops = self._kv_ops, []
+        return ops
 
     def postprocess(self, out: SchedulerOutput, sampled, now: float) -> list[tuple[int, int]]:
         """Account for a decoded step: `sampled[i]` is chunk i's token (-1 if it sampled none).
@@ -138,8 +168,8 @@ class Scheduler:
                    self.max_seq_len - seq.num_tokens)
 
     def _computed(self, seq: Sequence, n_tokens: int) -> None:
+        self.cache.extend(self.cache.slots[seq.seq_id], seq.num_computed_tokens, n_tokens)
         seq.num_computed_tokens += n_tokens
-        self.kv_used += n_tokens
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -154,7 +184,7 @@ class Scheduler:
         if not self.running:
             return None
         seq = self.running.pop()
-        self._release(seq)
+        self._release(seq)  # its computed tokens stay cached: it may resume from them
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -170,10 +200,29 @@ class Scheduler:
             self.finish(seq, FINISH_LENGTH, now)
 
     def _release(self, seq: Sequence) -> None:
-        self.kv_used -= seq.num_computed_tokens
-        self.free_seq_ids.append(seq.seq_id)
+        slot = self.cache.slots[seq.seq_id]
+        del self._slot_seq[slot.id]
+        self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens))
         self._released.append(seq.seq_id)
         seq.seq_id = None
+
+    def room_for_run(self, n_rows: int, n_steps: int) -> int:
+        """Decode steps (at most `n_steps`) that `n_rows` sequences can run in C before the KV
+        pool fills, after evicting cached prefixes to make room."""
+        if not self.cache.shared_cells:
+            return n_steps
+        self._reclaim(n_rows * n_steps)
+        return min(n_steps, self._kv_free() // n_rows)
+
+    def _reclaim(self, cells: int, keep: Slot | None = None) -> bool:
+        """Evict cached prefixes, least recently used first, until `cells` are free."""
+        if self._kv_free() >= cells:
+            return True
+        for slot in self.cache.eviction_order(keep):
+            self._kv_ops += self.cache.evict(slot)
+            if self._kv_free() >= cells:
+                return True
+        return False
 
     def _expire(self, now: float) -> list[Sequence]:
         expired = [s for s in (*self.running, *self.waiting)
@@ -189,31 +238,80 @@ class Scheduler:
         for seq in decoding:
             if budget == 0:
                 break
-            # Out of cells: the newest sequence gives its cells back, possibly this one.
-            while self._kv_free() < 1 and seq.status is SequenceStatus.RUNNING:
+            # Out of cells: cached prefixes go first, then the newest sequence gives its cells
+            # back, possibly this one.
+            while not self._reclaim(1) and seq.status is SequenceStatus.RUNNING:
                 self.preempt_newest(now)
             if seq.status is SequenceStatus.RUNNING:
                 budget -= self._add_chunk(out, seq, 1)
         for seq in prefilling:
             if seq.status is SequenceStatus.RUNNING and budget > 0:
                 remaining = seq.num_tokens - seq.num_computed_tokens
+                self._reclaim(min(budget, remaining))
                 budget -= self._add_chunk(out, seq, min(budget, remaining, self._kv_free()))
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        while self.waiting and budget > 0 and self.free_seq_ids:
-            seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining + 1 > self._kv_free():  # room for its whole prompt and one token
+        held_back = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting.popleft()
+            if self._awaits_shared_prefix(seq):
+                held_back.append(seq)
+                continue
+            if not self._start(seq, now):
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
-            seq.seq_id = self.free_seq_ids.pop()
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-            self.running.append(seq)
             out.started.append(seq)
-            budget -= self._add_chunk(out, seq, min(budget, remaining))
+            budget -= self._add_chunk(out, seq, min(budget, seq.num_tokens - seq.num_computed_tokens))
+        self.waiting.extendleft(reversed(held_back))
+
+    def _start(self, seq: Sequence, now: float) -> bool:
+        """Give `seq` a slot, starting from the longest cached prefix of its tokens (all but the
+        last, whose logits it needs). False when no slot or no room is free."""
+        tokens = seq.token_ids(0, seq.num_tokens)
+        limit = seq.num_tokens - 1 if seq.cache_prompt else 0
+        placement = self.cache.place(tokens, limit, self._live_prefix)
+        if placement is None or not self._room_to_start(seq, placement):
+            return False
+        self._kv_ops += self.cache.start(placement)
+        seq.seq_id = placement.dst.id
+        self._slot_seq[seq.seq_id] = seq
+        seq.num_computed_tokens = placement.length
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+            seq.num_cached_tokens = placement.length
+        self.running.append(seq)
+        return True
+
+    def _room_to_start(self, seq: Sequence, placement: Placement) -> bool:
+        """Cells for the rest of the prompt and one generated token; in a shared pool the slot
+        taken over is emptied and cached prefixes evicted to make them."""
+        if not self.cache.shared_cells:
+            return True
+        if placement.dst is not placement.src and placement.dst.runs:
+            self._kv_ops += self.cache.evict(placement.dst)
+        return self._reclaim(seq.num_tokens - placement.length + 1, keep=placement.src)
+
+    def _live_prefix(self, slot: Slot) -> tuple[list[int], int]:
+        """What a running sequence's slot can share: its prompt, as far as it is computed."""
+        seq = self._slot_seq[slot.id]
+        return seq.prompt_token_ids, min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+    def _awaits_shared_prefix(self, seq: Sequence) -> bool:
+        """Whether a running sequence is still prefilling a long prefix `seq` shares: then `seq`
+        waits and starts from it once computed, so no prefix is computed twice at once."""
+        if not (seq.cache_prompt and self.cache.enabled):
+            return False
+        for other in self.running:
+            computed = other.num_computed_tokens
+            if computed >= other.num_prompt_tokens:
+                continue
+            shared = min(common_prefix(other.prompt_token_ids, seq.prompt_token_ids),
+                         seq.num_tokens - 1)
+            if shared - computed >= self.MIN_SHARED_WAIT:
+                return True
+        return False
 
     def _add_chunk(self, out: SchedulerOutput, seq: Sequence, length: int) -> int:
         if length <= 0:
@@ -224,4 +322,6 @@ class Scheduler:
         return length
 
     def _kv_free(self) -> int:
-        return self.kv_capacity - self.kv_used - self._step_cells
+        if not self.cache.shared_cells:  # a stream per slot, as long as a sequence may grow
+            return self.max_seq_len
+        return self.kv_capacity - self.cache.cells_used - self._step_cells

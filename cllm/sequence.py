@@ -35,6 +35,8 @@ class Sequence:
     deadline: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    cache_prompt: bool = True   # may start from a cached prefix (llama-server's cache_prompt)
     seq_id: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

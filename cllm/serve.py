@@ -31,7 +31,10 @@ OPTIONS = {
     "parallel": (int, _ENGINE.n_parallel, "sequences decoded together (seq ids)"),
     "ctx_size": (int, _ENGINE.n_ctx, "KV cache cells in all (n / parallel per sequence)"),
     "kv_unified": (_flag, _ENGINE.kv_unified,
-                   "one KV pool for all sequences (--no-kv-unified: ctx-size / parallel each)"),
+                   "one KV pool for all sequences (--no-kv-unified: ctx-size / parallel each; "
+                   "default: split on a CPU, one pool on a GPU)"),
+    "prefix_cache": (_flag, _ENGINE.prefix_cache,
+                     "start requests from cached KV of the prompt prefixes they share"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
     "ubatch_size": (int, _ENGINE.n_ubatch, "tokens per llama.cpp micro-batch"),
     "threads": (int, _ENGINE.n_threads, "CPU threads (0: all cores)"),
@@ -87,7 +90,8 @@ def build_config(options: dict) -> ServerConfig:
     engine = EngineConfig(
         model=options["model"], n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
-        n_threads=options["threads"], kv_unified=options["kv_unified"], n_gpu_layers=options["n_gpu_layers"],
+        n_threads=options["threads"], kv_unified=options["kv_unified"],
+        prefix_cache=options["prefix_cache"], n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"],
         request_timeout=options["request_timeout"])

@@ -1,12 +1,14 @@
 """The engine with the real default model: continuous batching end to end, no HTTP."""
 import asyncio
 import random
+from array import array
 
 import pytest
 
 from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine, PromptTooLongError
+from cllm.prefix_cache import common_prefix
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 ON_GPU_NOT_BATCH_INVARIANT = pytest.mark.xfail(
@@ -50,10 +52,33 @@ async def run_many(engine, prompts, concurrency, **sampling):
 
 
 def assert_idle(engine):
+    """Nothing runs and what is left is the prefix cache, counted alike by the scheduler and by
+    llama.cpp. Only call it with the engine thread idle: a unified cache is probed."""
     assert engine.num_running == 0 and engine.num_waiting == 0
-    assert sorted(engine.scheduler.free_seq_ids) == list(range(engine.config.n_parallel))
-    assert engine.scheduler.kv_used == 0
-    assert engine.ctx.kv_cells_used() == 0
+    assert not any(slot.live for slot in engine.scheduler.cache.slots)
+    assert engine.scheduler.kv_used == engine.cached_cells == llama_cells_used(engine)
+
+
+def llama_cells_used(engine):
+    """The KV cells llama.cpp holds. Split streams share no cell, so its count per sequence is
+    exact. A unified pool is measured by what fits: with the scheduler's count right, exactly
+    the free cells take a batch of an unused seq id, and one more token finds no room."""
+    ctx = engine.ctx
+    if not engine.kv_unified:
+        return ctx.kv_cells_used()
+    probe = next(slot.id for slot in engine.scheduler.cache.slots if not slot.runs)
+    free = ctx.n_ctx - engine.scheduler.kv_used
+    fed = 0
+    while fed < free:
+        n = min(ctx.n_batch, free - fed)
+        ctx.step(array("i", [probe]), array("i", [fed]), array("i", [n]), array("i", [0]),
+                 array("i", [1] * n))
+        fed += n
+    with pytest.raises(_core.KVCacheFullError):
+        ctx.step(array("i", [probe]), array("i", [fed]), array("i", [1]), array("i", [0]),
+                 array("i", [1]))
+    ctx.remove_sequence(probe)
+    return ctx.n_ctx - free
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +146,7 @@ def test_abort_mid_stream_frees_its_seq_id_within_a_step(engine):
                 break
         seq = stream.seq
         held = seq.seq_id
-        assert held is not None and held not in engine.scheduler.free_seq_ids
+        assert held is not None and engine.scheduler.cache.slots[held].live
         steps_at_abort = engine.timer.steps
         stream.abort()
         final = await stream.__anext__()
@@ -220,3 +245,112 @@ def test_decode_runs_in_c_give_the_same_tokens_and_stop_at_eog(model_path, alone
         assert_idle(multi)
     finally:
         multi.shutdown()
+
+
+# ---- the prefix cache with the real model ----
+
+DOCUMENT = " ".join(f"Paragraph {i}: the harbour town kept its lighthouse lit through the "
+                    f"winter storms of year {1900 + i}, and the keepers wrote it down."
+                    for i in range(12))
+QUESTIONS = [f"\nQuestion {i}: what happened in year {1900 + i}? Answer:" for i in range(8)]
+
+
+async def run_tokens(engine, tokens, cache_prompt=True, **sampling):
+    stream = engine.submit(tokens, SamplingParams(**sampling), cache_prompt=cache_prompt)
+    text = ""
+    async for delta in stream:
+        text += delta.text
+    return text, delta
+
+
+def test_default_kv_layout_is_split_on_a_cpu_and_one_pool_on_a_gpu(engine):
+    default = EngineConfig()
+    assert default.kv_unified is None and default.prefix_cache
+    assert engine.kv_unified is False  # the module engine asks for split explicitly
+
+
+def test_a_shared_prefix_is_computed_once(model_path):
+    """8 concurrent requests share a document: it is prefilled once (7 report it cached, as far
+    as their prompts agree), and a repeat of a whole prompt recomputes only its last token."""
+    prompts = [DOCUMENT + q for q in QUESTIONS]
+    eng = Engine(EngineConfig(n_ctx=8 * 1024, n_parallel=8, n_threads=2), model_path)
+    try:
+        assert eng.kv_unified is _core.supports_gpu_offload()  # the default layout
+        token_lists = [eng.model.tokenize(p) for p in prompts]
+
+        async def together():
+            return await asyncio.gather(*(run_tokens(eng, t, max_tokens=MAX_TOKENS,
+                                                     temperature=0) for t in token_lists))
+        results = asyncio.run(together())
+        shared = min(common_prefix(token_lists[0], t) for t in token_lists[1:])
+        assert sorted(final.cached_tokens for _, final in results) == [0] + [shared] * 7
+        assert all(final.completion_tokens == MAX_TOKENS or final.finish_reason == FINISH_STOP
+                   for _, final in results)
+        assert_idle(eng)
+        _, final = asyncio.run(run_tokens(eng, token_lists[3], max_tokens=2, temperature=0))
+        assert final.cached_tokens == len(token_lists[3]) - 1
+        _, final = asyncio.run(run_tokens(eng, token_lists[3], cache_prompt=False, max_tokens=2,
+                                          temperature=0))
+        assert final.cached_tokens == 0
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_long_prompt_evicts_cached_prefixes_and_nothing_live_is_lost(model_path):
+    small = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_batch=256, n_threads=2,
+                                kv_unified=True), model_path)
+    try:
+        docs = [small.model.tokenize(f"Document {k}. " + DOCUMENT[k * 40:]) for k in range(3)]
+        for doc in docs:  # three finished requests leave ~900 cells cached
+            asyncio.run(run_tokens(small, doc[:300], max_tokens=2, temperature=0))
+        assert small.cached_cells >= 900
+
+        async def long_beside_running():
+            running = run_tokens(small, docs[0][:40], max_tokens=60, temperature=0,
+                                 ignore_eos=True)
+            long = run_tokens(small, docs[1][:200] + docs[2][:500], max_tokens=20,
+                              temperature=0, ignore_eos=True)
+            return await asyncio.gather(running, long)
+
+        results = asyncio.run(long_beside_running())
+        assert [final.completion_tokens for _, final in results] == [60, 20]
+        assert [final.finish_reason for _, final in results] == [FINISH_LENGTH] * 2
+        assert small.scheduler.num_preemptions == 0  # cached prefixes made the room
+        assert small.cached_cells < 900
+        assert_idle(small)
+    finally:
+        small.shutdown()
+
+
+def test_a_thousand_mixed_requests_leave_only_the_cache(model_path):
+    """Shared and unshared prompts, aborts and cache_prompt=false through a small shared pool:
+    afterwards llama.cpp holds exactly the cached cells and no sequence is live."""
+    pool = Engine(EngineConfig(n_ctx=2048, n_parallel=8, n_batch=256, n_threads=2,
+                               kv_unified=True), model_path)
+    rng = random.Random(7)
+    heads = [pool.model.tokenize(DOCUMENT[k * 50:k * 50 + 400]) for k in range(4)]
+
+    async def one(i, gate):
+        tokens = rng.choice(heads)[:rng.randrange(1, 90)] + [rng.randrange(300, 20000)
+                                                            for _ in range(rng.randrange(1, 6))]
+        async with gate:
+            stream = pool.submit(tokens, SamplingParams(max_tokens=rng.randrange(1, 4),
+                                                        temperature=0),
+                                 cache_prompt=i % 5 != 0)
+            async for delta in stream:
+                if i % 11 == 0:
+                    stream.abort()
+            return delta
+
+    async def main():
+        gate = asyncio.Semaphore(16)
+        return await asyncio.gather(*(one(i, gate) for i in range(1000)))
+
+    try:
+        finals = asyncio.run(main())
+        assert all(f.finish_reason in (FINISH_LENGTH, FINISH_ABORT) for f in finals)
+        assert sum(f.cached_tokens for f in finals) > 0
+        assert_idle(pool)
+    finally:
+        pool.shutdown()

@@ -1,4 +1,6 @@
 """The scheduler alone: token counts and KV capacity, no model."""
+import itertools
+
 import pytest
 
 from cllm.config import SamplingParams
@@ -8,15 +10,30 @@ from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FINISH_TIMEO
 EOS = 2
 
 
-def make_seq(n_prompt, max_tokens=16, name=None, deadline=None, ignore_eos=False):
-    return Sequence(name or f"r{n_prompt}", list(range(10, 10 + n_prompt)),
+_first_tokens = itertools.count(1000)
+
+
+def make_seq(n_prompt, max_tokens=16, name=None, deadline=None, ignore_eos=False, prompt=None):
+    """A prompt of its own (a distinct first token: nothing to share) unless one is given."""
+    prompt = prompt or [next(_first_tokens)] + list(range(10, 10 + n_prompt - 1))
+    return Sequence(name or f"r{n_prompt}", prompt,
                     SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                     arrival_time=0.0, deadline=deadline)
 
 
-def make_scheduler(max_seqs=8, budget=64, kv=4096, max_queue=100):
+def make_scheduler(max_seqs=8, budget=64, kv=4096, max_queue=100, **options):
     return Scheduler(max_seqs=max_seqs, token_budget=budget, kv_capacity=kv, max_queue=max_queue,
-                     eog_tokens=frozenset({EOS}))
+                     eog_tokens=frozenset({EOS}), **options)
+
+
+def live_slots(sched):
+    return sorted(slot.id for slot in sched.cache.slots if slot.live)
+
+
+def assert_only_cache_left(sched):
+    """Nothing runs; every cell still counted belongs to a cached prefix."""
+    assert live_slots(sched) == [] and sched.running == []
+    assert sched.kv_used == sched.cache.cached_cells
 
 
 def run_step(sched, now=0.0, token=7):
@@ -71,7 +88,7 @@ def test_fifo_admission_by_free_seq_ids():
         sched.postprocess(out, [7 if c.samples else -1 for c in out.chunks], step)
     assert admitted == [f"s{i}" for i in range(5)]
     assert all(s.finish_reason == FINISH_LENGTH and s.num_output_tokens == 3 for s in seqs)
-    assert sorted(sched.free_seq_ids) == [0, 1]
+    assert_only_cache_left(sched)
 
 
 def test_queue_full_is_reported():
@@ -112,17 +129,21 @@ def test_preemption_and_recompute_under_a_tiny_kv_cache():
         out = run_step(sched, now=step, token=5)
         released += out.released
         assert sched.kv_used <= kv
-        assert sum(s.num_computed_tokens for s in sched.running) == sched.kv_used
+        running_cells = sum(s.num_computed_tokens for s in sched.running)
+        assert running_cells + sched.cache.cached_cells == sched.kv_used
         if all(s.is_finished for s in seqs):
             break
     assert sched.num_preemptions > 0
     assert all(s.finish_reason == FINISH_LENGTH and s.num_output_tokens == 30 for s in seqs)
     assert any(s.num_preemptions for s in seqs)
-    assert sorted(sched.free_seq_ids) == [0, 1, 2, 3] and sched.kv_used == 0
+    assert_only_cache_left(sched)
 
 
-def test_preempted_sequence_recomputes_prompt_and_output():
-    sched = make_scheduler(max_seqs=2, budget=64, kv=64)
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_preempted_sequence_recomputes_prompt_and_output(prefix_cache):
+    """Preemption frees the cells; without a prefix cache the sequence recomputes all of its
+    tokens, with one it resumes from those still cached (all but the last: it needs logits)."""
+    sched = make_scheduler(max_seqs=2, budget=64, kv=64, prefix_cache=prefix_cache)
     seq = make_seq(10, max_tokens=30, name="a")
     sched.add(seq)
     for step in range(3):
@@ -131,7 +152,8 @@ def test_preempted_sequence_recomputes_prompt_and_output():
     assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
     out = sched.schedule(4.0)
     (chunk,) = out.chunks
-    assert (chunk.start, chunk.length, chunk.samples) == (0, 13, True)
+    start = 12 if prefix_cache else 0
+    assert (chunk.start, chunk.length, chunk.samples) == (start, 13 - start, True)
     assert chunk.seq.token_ids(0, 13) == seq.prompt_token_ids + [7, 7, 7]
 
 
@@ -147,7 +169,7 @@ def test_abort_frees_exactly_once():
     assert sched.finish(waiting, FINISH_ABORT, 1.0)
     assert sched.schedule(2.0).released == [seq_id]
     assert sched.schedule(3.0).released == []
-    assert sorted(sched.free_seq_ids) == [0, 1] and sched.kv_used == 0
+    assert_only_cache_left(sched)
     assert not sched.has_work
 
 
@@ -158,7 +180,7 @@ def test_aborted_while_decoding_is_not_counted():
     out = sched.schedule(0.0)
     sched.finish(seq, FINISH_ABORT, 0.5)
     assert sched.postprocess(out, [7], 1.0) == []
-    assert seq.output_token_ids == [] and sched.kv_used == 0
+    assert seq.output_token_ids == [] and sched.kv_used == sched.cache.cached_cells
 
 
 def test_deadline_times_out_running_and_waiting():
@@ -171,7 +193,7 @@ def test_deadline_times_out_running_and_waiting():
     assert out.chunks == []
     assert first.finish_reason == second.finish_reason == FINISH_TIMEOUT
     assert out.expired == [first, second]
-    assert out.released == [0] and sched.free_seq_ids == [0]
+    assert out.released == [0] and live_slots(sched) == []
 
 
 def test_thousand_sequences_leave_nothing_behind():
@@ -184,4 +206,4 @@ def test_thousand_sequences_leave_nothing_behind():
         if not sched.has_work:
             break
     assert released == 1000
-    assert sorted(sched.free_seq_ids) == list(range(8)) and sched.kv_used == 0
+    assert_only_cache_left(sched)

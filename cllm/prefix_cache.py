@@ -1,0 +1,209 @@
+"""Which token prefixes the KV cache holds, slot by slot, and how many cells they take.
+
+A slot is one llama.cpp seq id. A running sequence writes its slot; when it ends, the slot keeps
+its KV as a cached prefix until another sequence takes the slot or room is needed. A new
+sequence starts from the longest prefix any slot holds — its own slot reused in place, or
+another slot's prefix shared into it — and computes only the rest.
+
+Cells are counted exactly even when slots share them. A *group* is the run of cells one
+computation wrote, from its first position on; a slot holds, group by group, a prefix of each
+(`Run`). llama.cpp frees a cell when no seq id holds it, so a group takes as many cells as its
+longest claim. With split KV streams, sharing copies the cells, so every slot has groups of its
+own. Pure Python: no llama.cpp here; the scheduler turns decisions into `KvOp`s for the engine."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Run:
+    """Positions [start, end) of group `group` (whose first cell is at `start`)."""
+    group: int
+    start: int
+    end: int
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    id: int
+    tokens: list[int] = field(default_factory=list)  # the tokens at positions 0.. in its KV
+    runs: list[Run] = field(default_factory=list)     # the cell groups behind those positions
+    live: bool = False      # a running sequence writes it
+    last_used: int = 0      # a clock tick, for least-recently-used eviction
+    own_group: int | None = None  # the group it is extending, if its last run is its own
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class KvOp:
+    """What the engine does to llama.cpp's KV before the next decode: `clear` a slot, or make
+    slot `dst` hold exactly the first `length` positions of slot `src` (src == dst: trim)."""
+    kind: str  # "clear" or "share"
+    dst: int
+    src: int = -1
+    length: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    """Where a new sequence goes: slot `dst`, starting from `src`'s first `length` tokens."""
+    dst: Slot
+    src: Slot | None
+    length: int
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix: a binary search over slice comparisons, which run
+    in C, so thousands of tokens cost microseconds."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PrefixCache:
+    """Slots, what each holds, and the cells used. `shared_cells`: slots can share cells (one
+    unified KV pool); otherwise sharing a prefix copies it (split streams)."""
+
+    # A slot's own prefix is reused in place when it covers at least this share of the slot;
+    # below, the new sequence takes an empty or stale slot and the old content stays cached.
+    REUSE_IN_PLACE = 0.5
+
+    def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True) -> None:
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.shared_cells = shared_cells
+        self.enabled = enabled
+        self.cells_used = 0
+        self._group_start: dict[int, int] = {}
+        self._groups = itertools.count()
+        self._clock = itertools.count(1)
+
+    # ---- queries ----
+
+    @property
+    def cached_cells(self) -> int:
+        """Cells that only idle slots hold: what eviction could give back."""
+        return self.cells_used - self._cells_of([s for s in self.slots if s.live])
+
+    def idle_slots(self) -> list[Slot]:
+        return [s for s in self.slots if not s.live]
+
+    def best_match(self, tokens: list[int], limit: int, live_prefix) -> tuple[Slot | None, int]:
+        """The slot holding the longest prefix of `tokens`, at most `limit` long. A live slot is
+        read through `live_prefix(slot)`: (tokens, how many of them are computed)."""
+        best, best_len = None, 0
+        if not self.enabled or limit <= 0:
+            return None, 0
+        for slot in self.slots:
+            held, usable = live_prefix(slot) if slot.live else (slot.tokens, slot.length)
+            if usable == 0 or held[0] != tokens[0]:
+                continue
+            n = min(common_prefix(held, tokens), usable, limit)
+            # Ties go to an idle slot, which can be taken over without a copy.
+            if n > best_len or (n == best_len and n and best.live and not slot.live):
+                best, best_len = slot, n
+        return best, best_len
+
+    def place(self, tokens: list[int], limit: int, live_prefix) -> Placement | None:
+        """Choose a slot for a sequence of `tokens` that may reuse at most `limit` of them.
+        None when every slot is live."""
+        src, length = self.best_match(tokens, limit, live_prefix)
+        idle = self.idle_slots()
+        if not idle:
+            return None
+        if src is not None and not src.live and length >= self.REUSE_IN_PLACE * src.length:
+            return Placement(src, src, length)
+        # An empty slot first, else the least recently used one (never the source itself).
+        dst = min((s for s in idle if s is not src),
+                  key=lambda s: (s.length > 0, s.last_used), default=None)
+        if dst is None:  # the source is the only idle slot: reuse it in place after all
+            return Placement(src, src, length)
+        return Placement(dst, src, length)
+
+    # ---- changes ----
+
+    def start(self, placement: Placement) -> list[KvOp]:
+        """A sequence starts in `placement.dst`; returns the KV operation that sets it up."""
+        dst, src, length = placement.dst, placement.src, placement.length
+        if src is None or length == 0:
+            op = KvOp("clear", dst.id)
+            dst.runs = []
+        elif src is dst:
+            op = KvOp("share", dst.id, dst.id, length)
+            dst.runs = _clip(dst.runs, length)
+        else:
+            op = KvOp("share", dst.id, src.id, length)
+            dst.runs = (_clip(src.runs, length) if self.shared_cells
+                        else [self._new_run(0, length)])
+        dst.tokens = []  # a live slot's tokens are its sequence's
+        dst.live = True
+        dst.own_group = None
+        dst.last_used = next(self._clock)
+        self._recount()
+        return [op]
+
+    def extend(self, slot: Slot, start: int, n: int) -> None:
+        """`slot`'s sequence computed `n` new tokens from position `start`: new cells."""
+        if slot.own_group is not None and slot.runs and slot.runs[-1].end == start:
+            slot.runs[-1].end += n
+        else:
+            run = self._new_run(start, start + n)
+            slot.runs.append(run)
+            slot.own_group = run.group
+        self.cells_used += n
+
+    def finish(self, slot: Slot, computed_tokens: list[int]) -> list[KvOp]:
+        """The slot's sequence ended having computed `computed_tokens`: they stay cached (cells
+        a decode wrote past them, for a sequence aborted meanwhile, are dropped), or are cleared
+        at once when the cache is off."""
+        slot.live = False
+        slot.last_used = next(self._clock)
+        slot.tokens = computed_tokens
+        if not self.enabled:
+            return self.evict(slot)
+        return [KvOp("share", slot.id, slot.id, len(computed_tokens))]
+
+    def evict(self, slot: Slot) -> list[KvOp]:
+        """Forget what an idle slot holds."""
+        slot.tokens, slot.runs, slot.own_group = [], [], None
+        self._recount()
+        return [KvOp("clear", slot.id)]
+
+    def eviction_order(self, keep: Slot | None = None) -> list[Slot]:
+        """Idle slots holding something, least recently used first."""
+        return sorted((s for s in self.slots if not s.live and s.runs and s is not keep),
+                      key=lambda s: s.last_used)
+
+    # ---- cell accounting ----
+
+    def _new_run(self, start: int, end: int) -> Run:
+        group = next(self._groups)
+        self._group_start[group] = start
+        return Run(group, start, end)
+
+    def _cells_of(self, slots: list[Slot]) -> int:
+        longest: dict[int, int] = {}
+        for slot in slots:
+            for run in slot.runs:
+                if run.end > longest.get(run.group, -1):
+                    longest[run.group] = run.end
+        return sum(end - self._group_start[g] for g, end in longest.items())
+
+    def _recount(self) -> None:
+        self.cells_used = self._cells_of(self.slots)
+        live_groups = {run.group for s in self.slots for run in s.runs}
+        for group in [g for g in self._group_start if g not in live_groups]:
+            del self._group_start[group]
+
+
+def _clip(runs: list[Run], length: int) -> list[Run]:
+    """The runs covering positions [0, length), copied so the source's runs stay as they are."""
+    return [Run(r.group, r.start, min(r.end, length)) for r in runs if r.start < length]
