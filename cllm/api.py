@@ -57,6 +57,7 @@ class CompletionRequest:
     include_usage: bool  # stream_options.include_usage
     echo: bool
     sampling: SamplingParams
+    cache_prompt: bool = True  # llama-server's field: False computes the whole prompt
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     sampling: SamplingParams
+    cache_prompt: bool = True
 
 
 @dataclass(slots=True)
@@ -76,6 +78,7 @@ class GenerateRequest:
     prompt: str
     stream: bool
     sampling: SamplingParams
+    cache_prompt: bool = True
 
 
 def _invalid(param: str, message: str) -> APIError:
@@ -197,6 +200,11 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
         raise _invalid(next((w for w in words if w in _SAMPLING_FIELDS), None), str(e)) from None
 
 
+def _cache_prompt(body: dict) -> bool:
+    """llama-server's per-request switch: false computes the whole prompt, cached or not."""
+    return _field(body, "cache_prompt", "a boolean", True)
+
+
 # ---- endpoints ----
 
 def _is_token(value: object) -> bool:
@@ -229,7 +237,8 @@ def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> Comple
     return CompletionRequest(
         model=_field(body, "model", "a string"), prompt=prompt,
         n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
-        echo=echo, sampling=_sampling(body, max_tokens, logprobs))
+        echo=echo, sampling=_sampling(body, max_tokens, logprobs),
+        cache_prompt=_cache_prompt(body))
 
 
 def _content(where: str, role: str, content: object) -> str:
@@ -282,7 +291,8 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     return ChatRequest(
         model=_field(body, "model", "a string"), messages=messages,
         n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
-        sampling=_sampling(body, max_tokens, top if want_logprobs else None))
+        sampling=_sampling(body, max_tokens, top if want_logprobs else None),
+        cache_prompt=_cache_prompt(body))
 
 
 def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
@@ -295,7 +305,8 @@ def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
     max_tokens = _count(body, "max_tokens", 1, max_tokens_limit,
                         min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
     return GenerateRequest(prompt=prompt, stream=_field(body, "stream", "a boolean", False),
-                           sampling=_sampling(body, max_tokens, None))
+                           sampling=_sampling(body, max_tokens, None),
+                           cache_prompt=_cache_prompt(body))
 
 
 def parse_tokenize(body: dict) -> tuple[str, bool]:

@@ -16,6 +16,7 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
 
     def add(self, delta: Delta) -> None:
@@ -24,13 +25,16 @@ class Choice:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.prompt_tokens = delta.prompt_tokens
+            self.cached_tokens = delta.cached_tokens
             self.completion_tokens = delta.completion_tokens
 
 
 def usage(choices: list[Choice]) -> dict:
-    """One prompt for all n choices, counted once, as OpenAI does."""
+    """One prompt for all n choices, counted once, as OpenAI does (and its cache hits as the
+    first choice found them)."""
     return responses.usage_dict(choices[0].prompt_tokens,
-                                sum(c.completion_tokens for c in choices))
+                                sum(c.completion_tokens for c in choices),
+                                choices[0].cached_tokens)
 
 
 class Format:

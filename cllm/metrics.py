@@ -18,10 +18,18 @@ class Metrics:
         r = self.registry
         self.running = Gauge("cllm_requests_running", "Sequences holding a seq id", registry=r)
         self.waiting = Gauge("cllm_requests_waiting", "Sequences queued for a seq id", registry=r)
-        self.kv_usage = Gauge("cllm_kv_cache_usage_ratio", "Share of KV cells in use", registry=r)
+        self.kv_usage = Gauge("cllm_kv_cache_usage_ratio", "Share of KV cells running requests hold", registry=r)
         self.preemptions = Gauge("cllm_preemptions_total",
                                  "Sequences preempted for lack of KV cells", registry=r)
+        self.cached_cells = Gauge("cllm_prefix_cache_cells",
+                                  "KV cells holding cached prefixes no running request uses",
+                                  registry=r)
         self.prompt_tokens = Counter("cllm_prompt_tokens", "Prompt tokens processed", registry=r)
+        # vLLM's pair: their ratio is the prefix cache's hit rate.
+        self.cache_queries = Counter("cllm_prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache", registry=r)
+        self.cache_hits = Counter("cllm_prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache", registry=r)
         self.generation_tokens = Counter("cllm_generation_tokens", "Tokens generated", registry=r)
         self.success = Counter("cllm_request_success", "Finished requests", ["finish_reason"],
                                registry=r)
@@ -39,11 +47,14 @@ class Metrics:
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_usage.set_function(lambda: engine.kv_usage)
+        self.cached_cells.set_function(lambda: engine.cached_cells)
         self.preemptions.set_function(lambda: engine.scheduler.num_preemptions)
 
     def record_sequence(self, final: Delta) -> None:
         """Account for one sequence from its last delta."""
         self.prompt_tokens.inc(final.prompt_tokens)
+        self.cache_queries.inc(final.prompt_tokens)
+        self.cache_hits.inc(final.cached_tokens)
         self.generation_tokens.inc(final.completion_tokens)
         timings = final.timings or {}
         if "ttft" in timings:

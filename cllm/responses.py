@@ -16,9 +16,11 @@ def _logprob(value: float) -> float:
     return value if value > MIN_LOGPROB else MIN_LOGPROB  # NaN > x is False: NaN maps too
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens` are the prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 # ---- /v1/completions ----

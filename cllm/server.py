@@ -150,7 +150,7 @@ def error_response(error: APIError, fmt_error_body=APIError.body) -> JSONRespons
 
 
 async def respond(request: Request, fmt: Format, prompt: list[int], sampling: SamplingParams,
-                  n: int, stream: bool, include_usage: bool) -> Response:
+                  n: int, stream: bool, include_usage: bool, cache_prompt: bool) -> Response:
     """Submit n sequences for one request and answer it, streamed or whole."""
     state: AppState = request.app.state.cllm
     engine = state.require_engine()
@@ -162,7 +162,7 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
             # n choices with one seed must still differ from each other.
             params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
             streams.append(engine.submit(prompt, params, f"{fmt.request_id}-{i}",
-                                         on_end=state.sequence_ended))
+                                         on_end=state.sequence_ended, cache_prompt=cache_prompt))
     except PromptTooLongError as exc:
         for s in streams:
             s.abort()
@@ -210,7 +210,8 @@ async def completions(request: Request, state: AppState) -> Response:
     prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
         req.prompt, add_special=True, parse_special=True)
     fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
-    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage)
+    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
+                         req.cache_prompt)
 
 
 async def chat_completions(request: Request, state: AppState) -> Response:
@@ -223,7 +224,8 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     prompt = engine.model.tokenize(text, add_special=not (bos and text.startswith(bos)),
                                    parse_special=True)
     fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling)
-    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage)
+    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
+                         req.cache_prompt)
 
 
 async def generate(request: Request, state: AppState) -> Response:
@@ -232,7 +234,8 @@ async def generate(request: Request, state: AppState) -> Response:
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
     prompt = engine.model.tokenize(req.prompt, add_special=True, parse_special=True)
     fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
-    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False)
+    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
+                         req.cache_prompt)
 
 
 async def models(request: Request, state: AppState) -> Response:

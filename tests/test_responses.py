@@ -12,7 +12,8 @@ ID, MODEL, CREATED = "cmpl-1", "smollm2", 1700000000
 
 
 def test_usage():
-    assert usage_dict(5, 7) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert usage_dict(5, 7, 3) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                                   "prompt_tokens_details": {"cached_tokens": 3}}
 
 
 def test_completion_response():
@@ -20,7 +21,8 @@ def test_completion_response():
     assert completion_response(ID, MODEL, CREATED, [choice], usage_dict(1, 2)) == {
         "id": ID, "object": "text_completion", "created": CREATED, "model": MODEL,
         "choices": [{"index": 0, "text": "Hi", "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
+                  "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def test_completion_chunk():
@@ -42,7 +44,8 @@ def test_chat_response():
         "id": "chatcmpl-1", "object": "chat.completion", "created": CREATED, "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello!"},
                      "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                  "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def test_chat_chunks_role_then_content_then_finish():

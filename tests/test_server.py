@@ -757,3 +757,52 @@ def test_metrics(http):
         assert grew(h + "_count") == 1
     assert after["cllm_requests_running"] == 0 and after["cllm_requests_waiting"] == 0
     assert 0 <= after["cllm_kv_cache_usage_ratio"] <= 1
+
+
+# ---- the prefix cache over HTTP ----
+
+def test_usage_reports_cached_prompt_tokens(client, http):
+    """A second request with the same long prefix reports it cached, streamed or whole;
+    cache_prompt=false computes it all again."""
+    prefix = "The lighthouse keeper's log, winter of 1901. " * 30
+    first = http.post("/v1/completions", json={"prompt": prefix + "Entry one:", "max_tokens": 4})
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    n_prefix = n_tokens(http, prefix)
+    whole = client.completions.create(model=MODEL, prompt=prefix + "Entry two:", max_tokens=4)
+    assert whole.usage.prompt_tokens_details.cached_tokens >= n_prefix - 1
+    _, body = post_stream(http, "/v1/completions", {
+        "prompt": prefix + "Entry three:", "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}})
+    usage = sse_payloads(body)[-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= n_prefix - 1
+    off = http.post("/v1/completions", json={"prompt": prefix + "Entry two:", "max_tokens": 4,
+                                             "cache_prompt": False})
+    assert off.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    error = assert_error(http.post("/v1/completions", json={"prompt": "x", "cache_prompt": "no"}),
+                         400)
+    assert "cache_prompt" in error["message"]
+
+
+def test_the_next_chat_turn_starts_from_the_last_one(client):
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 10},
+                {"role": "user", "content": "Name a colour."}]
+    turn1 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                           temperature=0)
+    messages += [{"role": "assistant", "content": turn1.choices[0].message.content},
+                 {"role": "user", "content": "And another one?"}]
+    turn2 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                           temperature=0)
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= turn1.usage.prompt_tokens - 1
+
+
+def test_metrics_count_prefix_cache_lookups_and_hits(http):
+    before = metrics(http)
+    prompt = "A ledger of ships that passed the cape, one per line. " * 20
+    for _ in range(2):
+        assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    after = metrics(http)
+    looked_up = after["cllm_prefix_cache_queries_total"] - before.get("cllm_prefix_cache_queries_total", 0)
+    found = after["cllm_prefix_cache_hits_total"] - before.get("cllm_prefix_cache_hits_total", 0)
+    assert looked_up == 2 * n_tokens(http, prompt)
+    assert found >= n_tokens(http, prompt) - 1
+    assert after["cllm_prefix_cache_cells"] > 0
