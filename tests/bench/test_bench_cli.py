@@ -1,9 +1,9 @@
-"""Argument parsing, prompts, and the llama-server command and build layout (nothing built)."""
+"""Argument parsing and the llama-server command and build layout (nothing built)."""
 from pathlib import Path
 
 import pytest
 
-from cllm.bench import peer, prompts
+from cllm.bench import peer
 from cllm.bench.cli import load_settings, parse_args, server_settings
 
 
@@ -34,15 +34,6 @@ def test_options():
 def test_rejected(argv, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
-
-
-def test_prompts(tmp_path):
-    synthetic = prompts.synthetic(100, 5)
-    assert len(set(synthetic)) == 5 and all(len(p.split()) == 99 for p in synthetic)
-    file = tmp_path / "p.txt"
-    file.write_text("one\n\n two \n")
-    assert prompts.from_file(file) == ["one", "two"]
-    assert prompts.for_requests(["a", "b", "c"], 4, offset=2) == ["c", "a", "b", "c"]
 
 
 def test_peer_command_matches_cllm_settings():
