@@ -93,3 +93,22 @@ def test_cllm_command_parses_as_cllm_serve():
     assert (options["parallel"], options["ctx_size"], options["batch_size"],
             options["ubatch_size"], options["threads"], options["flash_attn"],
             options["port"], options["kv_unified"]) == (8, 8192, 256, 256, 2, "off", 4321, True)
+
+
+def test_workload_options():
+    args = parse_args(["--url", "u"])
+    assert (args.workload, args.prefix_tokens, args.turns, args.cache_prompt) == (
+        "standard", 1400, 10, None)
+    turns = parse_args(["--url", "u", "--workload", "multi-turn", "--turns", "4"])
+    assert turns.endpoint == "chat" and turns.turns == 4
+    assert load_settings(parse_args(["--url", "u", "--no-cache-prompt"])).cache_prompt is False
+
+
+@pytest.mark.parametrize("argv", [["--workload", "mixed", "--prompt-tokens", "9"],
+                                  ["--workload", "shared-prefix", "--prompt-file", "f"],
+                                  ["--workload", "multi-turn", "--endpoint", "completions"],
+                                  ["--workload", "multi-turn", "--engine-direct"],
+                                  ["--workload", "long"], ["--turns", "0"]])
+def test_workload_conflicts_rejected(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--url", "u", *argv])
