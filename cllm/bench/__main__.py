@@ -14,7 +14,6 @@ import httpx
 
 from cllm.models import DEFAULT_ALIAS, resolve_model
 
-from . import prompts as prompt_sets
 from . import report
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget
@@ -22,6 +21,7 @@ from .loadgen import HttpTarget, Sender, first_model, run_level
 from .peer import build, start_peer
 from .servers import StartedServer, say, start_cllm
 from .stats import summarize
+from .workloads import LevelPlan, plans
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 def _write(data: dict, out: Path) -> None:
     path = report.write(data, out)
     png = report.plot([data], path.with_suffix(".png"))
+    print(report.header(data))
     print(report.table(data["runs"]))
     print(f"results: {path}" + (f"\nplot: {png}" if png else ""))
 
@@ -89,8 +90,6 @@ def _started(server: StartedServer, stack: ExitStack, data: dict) -> Target:
 
 async def _measure_all(args: argparse.Namespace, targets: list[Target], data: dict) -> None:
     load = load_settings(args)
-    n_prompts = args.requests + args.warmup
-    texts = _prompts(args, n_prompts * len(args.concurrency))
     # Keep every connection alive: reconnecting between requests would count in their TTFT.
     pool = max(args.concurrency) + 4
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
@@ -100,34 +99,23 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
             if t.url:
                 t.model = t.model or await first_model(client, t.url)
                 t.send = HttpTarget(t.url, t.model, load, client).send
-        for i, level in enumerate(args.concurrency):
-            # Each level gets its own prompts (a synthetic set has them all different), and the
-            # order of servers flips from level to level so neither always runs first.
-            level_prompts = prompt_sets.for_requests(texts, n_prompts, offset=i * n_prompts)
+        for i, (level, plan) in enumerate(zip(args.concurrency, plans(args))):
+            # The order of servers flips from level to level so neither always runs first.
             for t in targets if i % 2 == 0 else targets[::-1]:
-                run = await _measure(t, level, level_prompts, args.warmup)
+                run = await _measure(t, level, plan)
                 data["runs"].append(run)
                 _print_run(run)
 
 
-def _prompts(args: argparse.Namespace, count: int) -> list[str]:
-    if args.prompt_tokens:
-        return prompt_sets.synthetic(args.prompt_tokens, count)
-    if args.prompt_file:
-        return prompt_sets.from_file(args.prompt_file)
-    return list(prompt_sets.DEFAULT_PROMPTS)
-
-
-async def _measure(t: Target, level: int, level_prompts: list[str], warmup: int) -> dict:
-    warm, measured = level_prompts[:warmup], level_prompts[warmup:]
+async def _measure(t: Target, level: int, plan: LevelPlan) -> dict:
     load_before = os.getloadavg()[0]  # on a shared machine, says how busy it was
-    warm_results, _ = await run_level(t.send, warm, level)
+    warm_results, _ = await run_level(t.send, plan.warmup, level)
     if t.engine is not None:
         t.engine.reset_timer()
-    results, duration = await run_level(t.send, measured, level, desc=f"{t.name} c={level}")
+    results, duration, per_turn = await plan.run(t.send, level, desc=f"{t.name} c={level}")
     run = {"server": t.name, "url": t.url, "model": t.model, "concurrency": level,
            "warmup_failed": sum(not r.ok for r in warm_results), "loadavg_1m": load_before,
-           "metrics": summarize(results, duration)}
+           "metrics": summarize(results, duration) | per_turn}
     if t.engine is not None:
         run["engine_steps"] = t.engine.timer_summary()
     return run
@@ -135,8 +123,9 @@ async def _measure(t: Target, level: int, level_prompts: list[str], warmup: int)
 
 def _print_run(run: dict) -> None:
     m = run["metrics"]
+    cached = "" if m["cached_share"] is None else f", {m['cached_share']:.0%} of prompt cached"
     say(f"{run['server']} c={run['concurrency']}: {m['completed']} ok, {m['failed']} failed, "
-        f"{m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50'] or 0:.1f} ms")
+        f"{m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50'] or 0:.1f} ms{cached}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .loadgen import LoadSettings
 from .servers import ENGINE_DEFAULTS, ServerSettings
+from .workloads import MIXED_TOKENS, WORKLOADS
 
 PEERS = ("llama-server",)
 
@@ -35,14 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 8, 16, 32],
                       help="levels, each run separately (default 1 8 16 32)")
     load.add_argument("--max-tokens", type=_positive, default=50)
+    load.add_argument("--workload", choices=WORKLOADS, default="standard",
+                      help="standard: the prompts below; shared-prefix: one long document, a "
+                           "different question after it each request; multi-turn: chat "
+                           "conversations, each turn resending the history; mixed: prompts "
+                           f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform "
+                           "(default standard)")
     source = load.add_mutually_exclusive_group()
     source.add_argument("--prompt-tokens", type=_positive,
-                        help="synthetic prompts of about N tokens, all different")
-    source.add_argument("--prompt-file", type=Path, help="one prompt per line")
+                        help="standard workload: synthetic prompts of about N tokens, all "
+                             "different")
+    source.add_argument("--prompt-file", type=Path,
+                        help="standard workload: one prompt per line")
+    load.add_argument("--prefix-tokens", type=_positive, default=1400,
+                      help="shared-prefix: the document's length in tokens (default 1400)")
+    load.add_argument("--turns", type=_positive, default=10,
+                      help="multi-turn: turns per conversation (default 10); a level runs "
+                           "--requests / --turns conversations, at least as many as the "
+                           "concurrency")
+    load.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction,
+                      help="send cache_prompt true or false in every request (default: not "
+                           "sent, each server's own default holds)")
     load.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="generate exactly --max-tokens (default on)")
-    load.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    load.add_argument("--endpoint", choices=("completions", "chat"),
+                      help="default: chat for multi-turn, else completions")
     load.add_argument("--warmup", type=_non_negative, default=4,
                       help="requests sent and discarded before each level (default 4)")
     load.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
@@ -74,15 +93,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not (args.url or args.cllm or args.peer or args.engine_direct):
         parser.error("nothing to measure: give --url, --cllm, --peer or --engine-direct")
+    _check_workload(parser, args)
     args.concurrency = sorted(set(args.concurrency))
     if args.parallel is None:
         args.parallel = max(args.concurrency)
     return args
 
 
+def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Rejects options the workload would ignore; resolves the endpoint it needs."""
+    if args.workload != "standard" and (args.prompt_tokens or args.prompt_file):
+        parser.error(f"--prompt-tokens and --prompt-file are for the standard workload; "
+                     f"{args.workload} makes its own prompts")
+    if args.workload == "multi-turn":
+        if args.endpoint == "completions":
+            parser.error("multi-turn sends message histories: it needs --endpoint chat")
+        if args.engine_direct:
+            parser.error("multi-turn needs a chat template: --engine-direct has none")
+        args.endpoint = "chat"
+    args.endpoint = args.endpoint or "completions"
+
+
 def load_settings(args: argparse.Namespace) -> LoadSettings:
     return LoadSettings(endpoint=args.endpoint, max_tokens=args.max_tokens, stream=args.stream,
-                        ignore_eos=args.ignore_eos, timeout=args.timeout)
+                        ignore_eos=args.ignore_eos, timeout=args.timeout,
+                        cache_prompt=args.cache_prompt)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

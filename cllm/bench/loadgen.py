@@ -9,11 +9,16 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import httpx
 from tqdm import tqdm
 
 EMPTY_RESPONSE = "empty response"
+
+# What a request sends: a prompt, or for the chat endpoint the whole list of messages.
+Prompt = str | list[dict]
 
 
 @dataclass(slots=True)
@@ -24,6 +29,7 @@ class LoadSettings:
     stream: bool = True
     ignore_eos: bool = True
     timeout: float = 600.0
+    cache_prompt: bool | None = None  # None: the field is not sent, each server's default holds
 
 
 @dataclass(slots=True)
@@ -35,6 +41,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between chunks that carried text
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of prompt_tokens, those the server took from its cache
+    text: str = ""  # the reply, which a conversation sends back as the assistant's turn
     streamed: bool = True
     finish_reason: str | None = None
     error: str | None = None
@@ -71,7 +79,7 @@ class StreamParser:
         self.result = RequestResult(start=start)
         self.chunks = 0
         self.done = False
-        self._usage_tokens: int | None = None
+        self._tail: dict = {}  # the latest "usage" and "timings" the stream carried
 
     def feed(self, line: str, now: float) -> None:
         if not line.startswith("data:"):
@@ -84,14 +92,13 @@ class StreamParser:
         if "error" in chunk:
             self.result.error = "stream error: " + error_message(chunk["error"])
             return
-        usage = chunk.get("usage")
-        if usage:
-            self._usage_tokens = usage.get("completion_tokens")
-            self.result.prompt_tokens = usage.get("prompt_tokens")
+        self._tail.update((key, chunk[key]) for key in ("usage", "timings") if chunk.get(key))
         for choice in chunk.get("choices") or ():
             self.result.finish_reason = choice.get("finish_reason") or self.result.finish_reason
-        if any(choice_text(c) for c in chunk.get("choices") or ()):
+        text = "".join(choice_text(c) for c in chunk.get("choices") or ())
+        if text:
             self.chunks += 1
+            self.result.text += text
             self.result.arrive(now)
 
     def finish(self, now: float) -> RequestResult:
@@ -99,14 +106,33 @@ class StreamParser:
         r.end = now
         # The usage chunk (stream_options.include_usage) counts tokens exactly; a server
         # without it gets one token per text chunk.
-        r.output_tokens = self._usage_tokens if self._usage_tokens is not None else self.chunks
+        completion = (self._tail.get("usage") or {}).get("completion_tokens")
+        r.output_tokens = completion if completion is not None else self.chunks
+        read_prompt_usage(r, self._tail)
         if r.error is None and not self.done:
             r.error = "stream ended without [DONE]"
         return check_tokens(r)
 
 
 def choice_text(choice: dict) -> str:
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    """A completion's text, a streamed chat delta's or a whole chat message's content."""
+    return (choice.get("text") or (choice.get("delta") or {}).get("content")
+            or (choice.get("message") or {}).get("content") or "")
+
+
+def read_prompt_usage(r: RequestResult, payload: dict) -> None:
+    """The prompt's token count and how much of it came from the server's cache."""
+    r.prompt_tokens = (payload.get("usage") or {}).get("prompt_tokens")
+    r.cached_tokens = cached_tokens(payload)
+
+
+def cached_tokens(payload: dict) -> int | None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens; else llama-server's own
+    timings.cache_n; None when the server tells neither."""
+    details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        return details["cached_tokens"]
+    return (payload.get("timings") or {}).get("cache_n")
 
 
 def error_message(error: object) -> str:
@@ -132,20 +158,23 @@ class HttpTarget:
         path = "/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions"
         self.endpoint_url = self.url + path
 
-    def body(self, prompt: str) -> dict:
+    def body(self, prompt: Prompt) -> dict:
         body: dict = {"model": self.model, "max_tokens": self.load.max_tokens,
                       "temperature": 0.0, "stream": self.load.stream}
         if self.load.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
+            body["messages"] = (prompt if isinstance(prompt, list)
+                                else [{"role": "user", "content": prompt}])
         else:
             body["prompt"] = prompt
         if self.load.ignore_eos:
             body["ignore_eos"] = True
         if self.load.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.load.cache_prompt is not None:
+            body["cache_prompt"] = self.load.cache_prompt
         return body
 
-    async def send(self, prompt: str) -> RequestResult:
+    async def send(self, prompt: Prompt) -> RequestResult:
         start = time.perf_counter()
         try:
             if self.load.stream:
@@ -155,7 +184,7 @@ class HttpTarget:
             return RequestResult(start=start, end=time.perf_counter(),
                                  error=f"{type(e).__name__}: {e}".rstrip(": "))
 
-    async def _send_streaming(self, prompt: str, start: float) -> RequestResult:
+    async def _send_streaming(self, prompt: Prompt, start: float) -> RequestResult:
         async with self.client.stream("POST", self.endpoint_url, json=self.body(prompt)) as resp:
             if resp.status_code != 200:
                 return await _http_failure(resp, start)
@@ -164,7 +193,7 @@ class HttpTarget:
                 parser.feed(line, time.perf_counter())
             return parser.finish(time.perf_counter())
 
-    async def _send_whole(self, prompt: str, start: float) -> RequestResult:
+    async def _send_whole(self, prompt: Prompt, start: float) -> RequestResult:
         resp = await self.client.post(self.endpoint_url, json=self.body(prompt))
         if resp.status_code != 200:
             return await _http_failure(resp, start)
@@ -175,8 +204,9 @@ class HttpTarget:
         # Without streaming the client sees the first token when it sees the whole answer.
         r = RequestResult(start=start, end=end, ttft=end - start, streamed=False,
                           output_tokens=usage.get("completion_tokens", 0),
-                          prompt_tokens=usage.get("prompt_tokens"),
+                          text=choice_text(choices[0]),
                           finish_reason=choices[0].get("finish_reason"))
+        read_prompt_usage(r, payload)
         if not usage:
             r.error = "response has no usage"
         return check_tokens(r)
@@ -202,22 +232,30 @@ async def first_model(client: httpx.AsyncClient, url: str) -> str:
         raise SystemExit(f"cannot learn the model name from {url}/v1/models ({e}); pass --model")
 
 
-Sender = Callable[[str], Awaitable[RequestResult]]
+Sender = Callable[[Prompt], Awaitable[RequestResult]]
+T = TypeVar("T")
 
 
-async def run_level(send: Sender, prompts: Sequence[str], concurrency: int,
+async def run_level(send: Sender, prompts: Sequence[Prompt], concurrency: int,
                     desc: str = "") -> tuple[list[RequestResult], float]:
     """Sends every prompt, at most `concurrency` at a time; returns results and the wall time."""
-    results: list[RequestResult | None] = [None] * len(prompts)
-    pending = iter(enumerate(prompts))  # shared by the workers: each takes the next request
-    with tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False,
+    return await run_jobs([partial(send, p) for p in prompts], concurrency, desc)
+
+
+async def run_jobs(jobs: Sequence[Callable[[], Awaitable[T]]], concurrency: int,
+                   desc: str = "") -> tuple[list[T], float]:
+    """Runs every job (a request, or a conversation of several), at most `concurrency` at a
+    time and in the list's order; returns their results in that order and the wall time."""
+    results: list = [None] * len(jobs)
+    pending = iter(enumerate(jobs))  # shared by the workers: each takes the next job
+    with tqdm(total=len(jobs), desc=desc, file=sys.stderr, leave=False,
               disable=not desc) as bar:
         async def worker() -> None:
-            for i, prompt in pending:
-                results[i] = await send(prompt)
+            for i, job in pending:
+                results[i] = await job()
                 bar.update(1)
 
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(prompts))))))
+        await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(jobs))))))
         duration = time.perf_counter() - start
-    return [r for r in results if r is not None], duration
+    return results, duration

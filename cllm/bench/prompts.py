@@ -1,6 +1,10 @@
-"""The prompts a benchmark sends: a fixed default list, a file, or synthetic prompts of N tokens."""
+"""The prompts a benchmark sends: a fixed default list, a file, synthetic prompts of N tokens,
+and English-like text for the other workloads (a document with questions, prompts of mixed
+lengths, conversations). All synthetic text comes from a seeded RNG: every run, and every
+server in a run, gets the same prompts."""
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -58,3 +62,96 @@ def synthetic(n_tokens: int, count: int, seed: int = 0) -> list[str]:
 def for_requests(prompts: list[str], n: int, offset: int = 0) -> list[str]:
     """n prompts, cycling through the list from `offset` (so warm-up and measured runs differ)."""
     return [prompts[(offset + i) % len(prompts)] for i in range(n)]
+
+
+# English-like text: sentences from patterns over common words. Each word and each punctuation
+# mark is about one token for a Llama-style tokenizer, which is how lengths are counted here.
+_VOCAB = {
+    "adj": ("small large early late quiet busy local public simple careful bright old new "
+            "young cold warm heavy light strong narrow wide rural modern").split(),
+    "noun": ("river village market teacher farmer bridge road engine garden library council "
+             "winter harvest train letter family school museum station report machine storm "
+             "festival harbour mountain doctor").split(),
+    "verb": ("opened closed crossed repaired visited described changed followed built found "
+             "moved watched carried reached measured").split(),
+    "adv": "slowly quickly often rarely carefully quietly again later early together".split(),
+    "prep": "near behind across under beside through after before along beyond".split(),
+    "det": "the a every each one another".split(),
+    "conj": "because while although when after since".split(),
+}
+_PATTERNS = (
+    "det adj noun verb det noun .",
+    "det noun verb det adj noun prep det noun .",
+    "adv , det adj noun verb det noun prep det noun .",
+    "det noun verb det noun conj det adj noun verb det noun .",
+    "prep det adj noun , det noun adv verb det noun .",
+)
+_QUESTIONS = (
+    "What does the text say about the {noun}?",
+    "Who {verb} the {adj} {noun}, and why?",
+    "Summarize in one sentence what happened {prep} the {noun}.",
+    "Which {noun} is described as {adj}, and where is it?",
+    "List every place where a {noun} is {verb}.",
+    "Why would a reader care about the {adj} {noun}?",
+    "How often does the {noun} appear, and in which paragraphs?",
+    "Explain what the {noun} {verb} {prep} the {noun}.",
+)
+
+
+def text(rng: random.Random, n_tokens: int) -> str:
+    """Paragraphs of English-like sentences, cut at about `n_tokens` tokens."""
+    pieces: list[str] = []
+    while len(pieces) < n_tokens:
+        if pieces and rng.random() < 0.15:
+            pieces.append("\n\n")  # a paragraph break now and then
+        pieces += _sentence(rng)
+    return _join(pieces[:n_tokens])
+
+
+def _sentence(rng: random.Random) -> list[str]:
+    words = [p if p in ",." else rng.choice(_VOCAB[p]) for p in rng.choice(_PATTERNS).split()]
+    return [words[0].capitalize(), *words[1:]]
+
+
+def _join(pieces: list[str]) -> str:
+    out = ""
+    for piece in pieces:
+        glued = piece in ",." or piece == "\n\n" or not out or out.endswith("\n\n")
+        out += piece if glued else " " + piece
+    return out.strip()
+
+
+def _ask(rng: random.Random) -> str:
+    words = {slot: rng.choice(choices) for slot, choices in _VOCAB.items()}
+    return rng.choice(_QUESTIONS).format(**words)
+
+
+def question(rng: random.Random, number: int) -> str:
+    """A short question about a document, numbered so that no two are the same."""
+    return f"\n\nQuestion {number}: " + _ask(rng)
+
+
+def system_prompt(rng: random.Random) -> str:
+    """Notes to answer from, then the instruction. Each conversation has its own notes, so
+    conversations share at most a word or two of prefix beyond the chat template's."""
+    return text(rng, 60) + "\n\nAnswer the user's questions about these notes briefly."
+
+
+def user_message(rng: random.Random) -> str:
+    """A user's turn: a few sentences of context, then a question."""
+    return text(rng, rng.randint(16, 48)) + " " + _ask(rng)
+
+
+def shared_prefix(doc_tokens: int, count: int, seed: int) -> list[str]:
+    """`count` prompts: one document of about `doc_tokens` tokens, then each its own question."""
+    rng = random.Random(seed)
+    document = text(rng, doc_tokens)
+    return [document + question(rng, i + 1) for i in range(count)]
+
+
+def mixed(count: int, lo: int, hi: int, seed: int) -> list[str]:
+    """`count` different prompts whose lengths are log-uniform from `lo` to `hi` tokens: as
+    many below the geometric mean of the bounds as above it, so mostly short, some long."""
+    rng = random.Random(seed)
+    lengths = [round(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(count)]
+    return [text(rng, n) for n in lengths]

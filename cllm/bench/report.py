@@ -15,21 +15,35 @@ import sys
 from pathlib import Path
 
 SCHEMA = 1
+# The instruction sets llama.cpp's CPU kernels pick from: they explain CPU results.
+CPU_FLAGS = ("avx2", "avx512f", "amx_tile")
 
 
 def machine_info() -> dict:
-    return {"cpu": _cpu_model(), "nproc": os.cpu_count(), "gpu": _gpu_names(),
+    model, flags = parse_cpu(_output(["lscpu"]) or _read("/proc/cpuinfo"))
+    return {"cpu": model or platform.processor() or None, "cpu_flags": flags,
+            "nproc": os.cpu_count(), "gpu": _gpu_names(),
             "platform": platform.platform(), "python": platform.python_version()}
 
 
-def _cpu_model() -> str | None:
+def parse_cpu(text: str) -> tuple[str | None, dict[str, bool] | None]:
+    """The model name and which CPU_FLAGS are present, from lscpu's output or /proc/cpuinfo
+    (both "Key: value" lines; cpuinfo repeats them per core); None for what is not there."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
+    flags = fields.get("flags")
+    return (fields.get("model name") or None,
+            None if flags is None else {f: f in flags.split() for f in CPU_FLAGS})
+
+
+def _read(path: str) -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return Path(path).read_text()
     except OSError:
-        pass
-    return platform.processor() or None
+        return ""
 
 
 def _gpu_names() -> list[str]:
@@ -69,26 +83,51 @@ def write(report: dict, out_dir: Path) -> Path:
     return path
 
 
+def header(report: dict) -> str:
+    """The machine and the workload, above the table."""
+    m, s = report["machine"], report["settings"]
+    flags = ", ".join(f"{name} {'yes' if on else 'no'}"
+                      for name, on in (m.get("cpu_flags") or {}).items())
+    workload = s.get("workload", "standard")
+    detail = {"shared-prefix": f", document of {s.get('prefix_tokens')} tokens",
+              "multi-turn": f", {s.get('turns')} turns a conversation"}.get(workload, "")
+    return (f"CPU: {m.get('cpu')}, {m.get('nproc')} cores ({flags or 'flags unknown'}); "
+            f"GPU: {', '.join(m.get('gpu') or []) or 'none'}\n"
+            f"workload: {workload}{detail}; {s.get('requests')} requests × "
+            f"{s.get('max_tokens')} tokens a level")
+
+
 _COLUMNS = (("server", 13, "{}"), ("conc", 5, "{}"), ("ok", 4, "{}"), ("fail", 4, "{}"),
-            ("tok/s", 8, "{:.1f}"), ("req/s", 6, "{:.2f}"), ("ttft p50", 9, "{:.1f}"),
-            ("ttft p99", 9, "{:.1f}"), ("tpot p50", 9, "{:.2f}"), ("itl p50", 8, "{:.2f}"),
-            ("e2el p50", 9, "{:.0f}"))
+            ("wall s", 7, "{:.1f}"), ("tok/s", 8, "{:.1f}"), ("req/s", 6, "{:.2f}"),
+            ("ttft p50", 9, "{:.1f}"), ("ttft p99", 9, "{:.1f}"), ("tpot p50", 9, "{:.2f}"),
+            ("itl p50", 8, "{:.2f}"), ("e2el p50", 9, "{:.0f}"), ("cached", 7, "{:.1%}"))
 
 
 def table(runs: list[dict]) -> str:
-    """A compact table: one row per server and concurrency, latencies in milliseconds."""
+    """A compact table: one row per server and concurrency, latencies in milliseconds, the
+    share of prompt tokens served from cache last ("-": the server did not say)."""
     lines = [" ".join(f"{name:>{width}}" for name, width, _ in _COLUMNS)]
     for run in runs:
         m = run["metrics"]
         values = (run["server"], run["concurrency"], m["completed"], m["failed"],
-                  m["output_throughput"], m["request_throughput"], m["ttft_ms"]["p50"],
-                  m["ttft_ms"]["p99"], m["tpot_ms"]["p50"], m["itl_ms"]["p50"],
-                  m["e2el_ms"]["p50"])
+                  m["duration_s"], m["output_throughput"], m["request_throughput"],
+                  m["ttft_ms"]["p50"], m["ttft_ms"]["p99"], m["tpot_ms"]["p50"],
+                  m["itl_ms"]["p50"], m["e2el_ms"]["p50"], m.get("cached_share"))
         lines.append(" ".join(f"{_cell(fmt, v):>{width}}"
                               for (_, width, fmt), v in zip(_COLUMNS, values)))
+        if "turns" in m:
+            lines.append("    " + _turns_line(m))
         for reason, count in m["failures"].items():
             lines.append(f"    {count} × {reason}")
     return "\n".join(lines)
+
+
+def _turns_line(m: dict) -> str:
+    """A conversation's TTFT p50 at each turn, and the last turn's over the first's."""
+    cells = " · ".join(f"{t['turn']}: {_cell('{:.1f}', t['ttft_ms']['p50'])}"
+                       for t in m["turns"])
+    ratio = _cell("{:.2f}", m["ttft_p50_last_over_first"])
+    return f"TTFT p50 by turn, ms: {cells} (last / first: {ratio})"
 
 
 def _cell(fmt: str, value: object) -> str:
@@ -145,6 +184,7 @@ def _title(reports: list[dict]) -> str:
     first = reports[0]
     s = first["settings"]
     parts = [first["machine"].get("cpu"), ", ".join(first["machine"].get("gpu") or []),
+             f"{s.get('workload', 'standard')} workload",
              f"{s.get('requests')} requests × {s.get('max_tokens')} tokens", first["date"]]
     return " · ".join(p for p in parts if p)
 

@@ -1,7 +1,9 @@
 """The figures `vllm bench serve` reports, computed from one level's RequestResults.
 
 TTFT, TPOT and end-to-end latency are per request; ITL pools every gap between text chunks
-of every request, as vLLM does. Milliseconds throughout, except throughput and duration."""
+of every request, as vLLM does. Milliseconds throughout, except throughput and duration.
+Beyond vLLM's: the share of prompt tokens the servers took from their cache, and for
+conversations the figures of each turn."""
 from __future__ import annotations
 
 import math
@@ -51,4 +53,29 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
         "itl_ms": distribution([gap for r in ok for gap in r.itl]),
         "e2el_ms": distribution([r.latency for r in ok]),
         "finish_reasons": dict(Counter(str(r.finish_reason) for r in ok)),
+        "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "cached_share": cached_share(ok),
     }
+
+
+def cached_share(results: Sequence[RequestResult]) -> float | None:
+    """Cached prompt tokens over prompt tokens, among the requests whose server said both;
+    None when none did (a server that does not report it is not a server with no hits)."""
+    known = [r for r in results if r.cached_tokens is not None and r.prompt_tokens]
+    prompt = sum(r.prompt_tokens for r in known)
+    return sum(r.cached_tokens for r in known) / prompt if prompt else None
+
+
+def by_turn(conversations: Sequence[Sequence[RequestResult]]) -> dict:
+    """TTFT, prompt size and cache share of each turn index over the conversations, and how
+    much slower the last turn's first token is than the first's (TTFT p50, last / first)."""
+    turns = []
+    for k in range(max((len(c) for c in conversations), default=0)):
+        ok = [c[k] for c in conversations if len(c) > k and c[k].ok]
+        prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+        turns.append({"turn": k + 1, "completed": len(ok),
+                      "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
+                      "mean_input_tokens": sum(prompts) / len(prompts) if prompts else None,
+                      "cached_share": cached_share(ok)})
+    first, last = (turns[0]["ttft_ms"]["p50"], turns[-1]["ttft_ms"]["p50"]) if turns else (0, 0)
+    return {"turns": turns, "ttft_p50_last_over_first": last / first if first and last else None}

@@ -1,9 +1,9 @@
-"""Argument parsing, prompts, and the llama-server command and build layout (nothing built)."""
+"""Argument parsing and the llama-server command and build layout (nothing built)."""
 from pathlib import Path
 
 import pytest
 
-from cllm.bench import peer, prompts
+from cllm.bench import peer
 from cllm.bench.cli import load_settings, parse_args, server_settings
 
 
@@ -34,15 +34,6 @@ def test_options():
 def test_rejected(argv, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
-
-
-def test_prompts(tmp_path):
-    synthetic = prompts.synthetic(100, 5)
-    assert len(set(synthetic)) == 5 and all(len(p.split()) == 99 for p in synthetic)
-    file = tmp_path / "p.txt"
-    file.write_text("one\n\n two \n")
-    assert prompts.from_file(file) == ["one", "two"]
-    assert prompts.for_requests(["a", "b", "c"], 4, offset=2) == ["c", "a", "b", "c"]
 
 
 def test_peer_command_matches_cllm_settings():
@@ -102,3 +93,22 @@ def test_cllm_command_parses_as_cllm_serve():
     assert (options["parallel"], options["ctx_size"], options["batch_size"],
             options["ubatch_size"], options["threads"], options["flash_attn"],
             options["port"], options["kv_unified"]) == (8, 8192, 256, 256, 2, "off", 4321, True)
+
+
+def test_workload_options():
+    args = parse_args(["--url", "u"])
+    assert (args.workload, args.prefix_tokens, args.turns, args.cache_prompt) == (
+        "standard", 1400, 10, None)
+    turns = parse_args(["--url", "u", "--workload", "multi-turn", "--turns", "4"])
+    assert turns.endpoint == "chat" and turns.turns == 4
+    assert load_settings(parse_args(["--url", "u", "--no-cache-prompt"])).cache_prompt is False
+
+
+@pytest.mark.parametrize("argv", [["--workload", "mixed", "--prompt-tokens", "9"],
+                                  ["--workload", "shared-prefix", "--prompt-file", "f"],
+                                  ["--workload", "multi-turn", "--endpoint", "completions"],
+                                  ["--workload", "multi-turn", "--engine-direct"],
+                                  ["--workload", "long"], ["--turns", "0"]])
+def test_workload_conflicts_rejected(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--url", "u", *argv])

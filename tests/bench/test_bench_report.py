@@ -5,7 +5,7 @@ import pytest
 
 from cllm.bench import report
 from cllm.bench.loadgen import RequestResult
-from cllm.bench.stats import summarize
+from cllm.bench.stats import by_turn, summarize
 
 
 def _report(tag="t") -> dict:
@@ -25,11 +25,12 @@ def test_json_shape(tmp_path):
     data = json.loads(path.read_text())
     assert data["schema"] == report.SCHEMA
     assert {"date", "command", "git_commit", "machine", "settings", "servers", "runs"} <= set(data)
-    assert {"cpu", "nproc", "gpu"} <= set(data["machine"]) and data["machine"]["nproc"] >= 1
+    assert {"cpu", "cpu_flags", "nproc", "gpu"} <= set(data["machine"])
+    assert data["machine"]["nproc"] >= 1
     assert "-m cllm.bench" in data["command"]
     m = data["runs"][0]["metrics"]
     for key in ("completed", "failed", "failures", "duration_s", "output_throughput",
-                "request_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+                "request_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "cached_share"):
         assert key in m
     assert set(m["ttft_ms"]) == {"mean", "p50", "p99"}
     assert m["failures"] == {"HTTP 429: busy": 1}
@@ -38,7 +39,49 @@ def test_json_shape(tmp_path):
 def test_table_lists_runs_and_failures():
     text = report.table(_report()["runs"])
     assert text.count("llama-server") == 2 and "1 × HTTP 429: busy" in text
-    assert "tok/s" in text.splitlines()[0]
+    assert all(name in text.splitlines()[0] for name in ("wall s", "tok/s", "ttft p99", "cached"))
+
+
+def test_table_shows_cache_share_and_turns():
+    data = _report()
+    conversations = [[RequestResult(start=0, end=1, ttft=t, output_tokens=2, prompt_tokens=100,
+                                    cached_tokens=c) for t, c in ((0.01, 0), (0.03, 75))]]
+    data["runs"][0]["metrics"] = summarize(conversations[0], 1.0) | by_turn(conversations)
+    lines = report.table(data["runs"]).splitlines()
+    assert lines[1].endswith(" 37.5%") and lines[3].endswith("      -")
+    assert lines[2] == "    TTFT p50 by turn, ms: 1: 10.0 · 2: 30.0 (last / first: 3.00)"
+
+
+_LSCPU = """Architecture:            x86_64
+CPU(s):                  2
+Model name:              Intel(R) Xeon(R) Platinum 8480+
+Flags:                   fpu sse2 avx2 avx512f amx_bf16 amx_tile
+"""
+_CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx2
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx2
+"""
+
+
+def test_cpu_model_and_flags():
+    assert report.parse_cpu(_LSCPU) == ("Intel(R) Xeon(R) Platinum 8480+",
+                                        {"avx2": True, "avx512f": True, "amx_tile": True})
+    assert report.parse_cpu(_CPUINFO) == ("AMD EPYC 7B13",
+                                          {"avx2": True, "avx512f": False, "amx_tile": False})
+    assert report.parse_cpu("") == (None, None)
+
+
+def test_header_names_machine_and_workload():
+    data = _report()
+    data["machine"].update(cpu="Xeon", nproc=2, gpu=["NVIDIA H100 80GB HBM3"],
+                           cpu_flags={"avx2": True, "avx512f": False, "amx_tile": False})
+    data["settings"].update(workload="shared-prefix", prefix_tokens=1400)
+    assert report.header(data) == (
+        "CPU: Xeon, 2 cores (avx2 yes, avx512f no, amx_tile no); GPU: NVIDIA H100 80GB HBM3\n"
+        "workload: shared-prefix, document of 1400 tokens; 2 requests × 3 tokens a level")
 
 
 def test_plot_from_json(tmp_path):

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from cllm.bench.loadgen import RequestResult
-from cllm.bench.stats import distribution, percentile, summarize
+from cllm.bench.stats import by_turn, distribution, percentile, summarize
 
 
 def test_percentile_interpolates_like_numpy():
@@ -56,3 +56,29 @@ def test_summarize():
 def test_summarize_all_failed():
     m = summarize([RequestResult(error="x")], duration=0.0)
     assert m["completed"] == 0 and m["output_throughput"] == 0.0 and m["ttft_ms"]["p50"] is None
+
+
+def _cached(prompt: int | None, cached: int | None, ttft: float = 0.1, **kw) -> RequestResult:
+    return RequestResult(start=0, end=1, ttft=ttft, output_tokens=2, prompt_tokens=prompt,
+                         cached_tokens=cached, **kw)
+
+
+def test_cached_share_counts_only_requests_that_say():
+    results = [_cached(100, 90), _cached(300, 0), _cached(50, None),
+               _cached(100, 100, error="HTTP 500: boom")]
+    m = summarize(results, duration=1.0)
+    assert m["cached_share"] == pytest.approx(90 / 400) and m["total_cached_tokens"] == 90
+    assert summarize([_cached(100, None)], 1.0)["cached_share"] is None
+
+
+def test_by_turn():
+    conversations = [[_cached(100, 0, ttft=0.1), _cached(300, 200, ttft=0.3)],
+                     [_cached(100, 0, ttft=0.2), _cached(200, 100, ttft=0.5, error="x")]]
+    figures = by_turn(conversations)
+    first, last = figures["turns"]
+    assert (first["turn"], first["completed"], last["turn"], last["completed"]) == (1, 2, 2, 1)
+    assert first["ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert last["mean_input_tokens"] == 300 and last["cached_share"] == pytest.approx(2 / 3)
+    assert first["cached_share"] == 0.0
+    assert figures["ttft_p50_last_over_first"] == pytest.approx(300 / 150)
+    assert by_turn([]) == {"turns": [], "ttft_p50_last_over_first": None}

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from cllm.bench.loadgen import EMPTY_RESPONSE, HttpTarget, LoadSettings, RequestResult, StreamParser
+from cllm.bench.loadgen import (EMPTY_RESPONSE, HttpTarget, LoadSettings, RequestResult,
+                                StreamParser, cached_tokens)
 
 
 def _chunk(text: str, finish: str | None = None) -> str:
@@ -113,3 +114,59 @@ def test_request_body(endpoint):
 def test_request_body_without_stream_or_ignore_eos():
     body = HttpTarget("http://x", "m", LoadSettings(stream=False, ignore_eos=False), None).body("p")
     assert "stream_options" not in body and "ignore_eos" not in body and body["stream"] is False
+
+
+def _final(usage: dict | None = None, timings: dict | None = None) -> str:
+    chunk: dict = {"choices": []}
+    if usage is not None:
+        chunk["usage"] = {"prompt_tokens": 100, "completion_tokens": 2, **usage}
+    if timings is not None:
+        chunk["timings"] = timings
+    return "data: " + json.dumps(chunk)
+
+
+def _streamed(*tail: str) -> RequestResult:
+    parser = StreamParser(start=0.0)
+    _feed(parser, [(1.0, _chunk("a")), (2.0, _chunk("b", "length")),
+                   *((2.0, line) for line in tail), (2.0, "data: [DONE]")])
+    return parser.finish(2.0)
+
+
+@pytest.mark.parametrize("tail, cached", [
+    # OpenAI's field (cllm; llama-server too at this pin, beside its timings)
+    ([_final({"prompt_tokens_details": {"cached_tokens": 96}})], 96),
+    # llama-server's own: timings.cache_n, on text chunks too, the last one final
+    ([_final(timings={"cache_n": 10}), _final({}, timings={"cache_n": 64})], 64),
+    # both: usage wins, even where a later chunk carries timings only
+    ([_final({"prompt_tokens_details": {"cached_tokens": 96}}, {"cache_n": 1}),
+      _final(timings={"cache_n": 2})], 96),
+    ([_final({})], None),  # a server that does not say is not a server with no hits
+])
+def test_cached_tokens_from_either_shape(tail, cached):
+    r = _streamed(*tail)
+    assert r.ok and r.prompt_tokens == 100 and r.cached_tokens == cached
+
+
+def test_stream_keeps_the_reply_text():
+    assert _streamed(_final({})).text == "ab"
+
+
+@pytest.mark.parametrize("payload, cached", [
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": 7}}}, 7),
+    ({"timings": {"cache_n": 5}}, 5),
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": 0}}, "timings": {"cache_n": 5}}, 0),
+    ({"usage": {"prompt_tokens_details": {}}}, None),
+    ({}, None),
+])
+def test_cached_tokens(payload, cached):
+    assert cached_tokens(payload) == cached
+
+
+def test_chat_messages_and_cache_prompt_in_body():
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    target = HttpTarget("http://x", "m", LoadSettings(endpoint="chat"), None)
+    body = target.body(messages)
+    assert body["messages"] == messages and "cache_prompt" not in body
+    for value in (True, False):
+        load = LoadSettings(cache_prompt=value)
+        assert HttpTarget("http://x", "m", load, None).body("p")["cache_prompt"] is value
