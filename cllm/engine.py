@@ -96,7 +96,8 @@ class Engine:
         self.config = config
         self.model = _core.Model(model_path, n_gpu_layers=config.n_gpu_layers)
         gpu = _core.supports_gpu_offload()
-        self.kv_unified = gpu if config.kv_unified is None else config.kv_unified
+        self.kv_unified = (default_kv_unified() if config.kv_unified is None
+                           else config.kv_unified)
         self.ctx = _core.Context(self.model, n_ctx=config.n_ctx,
                                  n_seq_max=_slots(config.n_parallel, self.kv_unified),
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
@@ -366,6 +367,12 @@ class Engine:
             self._end(seq, reason, error, outbox)
         self._free_released()
         outbox.deliver()
+
+
+def default_kv_unified() -> bool:
+    """The KV layout when none is asked for: one pool on a GPU, split streams on a CPU
+    (ARCHITECTURE.md has the measurements)."""
+    return _core.supports_gpu_offload()
 
 
 def _slots(n_parallel: int, kv_unified: bool) -> int:

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="KV cache cells in all, split over the sequences (default 8192)")
     started.add_argument("--kv-unified", action=argparse.BooleanOptionalAction,
                          default=ENGINE_DEFAULTS.kv_unified,
-                         help="one KV pool that any sequence may fill, in both servers")
+                         help="one KV pool that any sequence may fill, in both servers "
+                              "(default: cllm's, one pool on a GPU and split on a CPU)")
     started.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
     started.add_argument("--batch-size", type=_positive, default=ENGINE_DEFAULTS.n_batch)
     started.add_argument("--ubatch-size", type=_positive,
@@ -122,12 +123,19 @@ def load_settings(args: argparse.Namespace) -> LoadSettings:
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(parallel=args.parallel, ctx_size=args.ctx_size,
-                          kv_unified=args.kv_unified, threads=args.threads,
+                          kv_unified=_kv_unified(args.kv_unified), threads=args.threads,
                           batch_size=args.batch_size,
                           # llama.cpp caps the micro-batch at the batch anyway
                           ubatch_size=args.ubatch_size or min(args.batch_size,
                                                               ENGINE_DEFAULTS.n_ubatch),
                           flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers)
+
+
+def _kv_unified(asked: bool | None) -> bool:
+    if asked is not None:
+        return asked
+    from cllm.engine import default_kv_unified  # loads llama.cpp: only when needed
+    return default_kv_unified()
 
 
 def _positive(text: str) -> int:

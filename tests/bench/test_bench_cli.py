@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from cllm import _core
 from cllm.bench import peer
 from cllm.bench.cli import load_settings, parse_args, server_settings
 
@@ -47,9 +48,11 @@ def test_peer_command_matches_cllm_settings():
         "16", "4096", "2", "512", "512")
     assert flag("--port") == "1234" and flag("-m") == "/m.gguf" and flag("-fa") == "auto"
     assert flag("-ngl") == "all"  # cllm's -1
-    assert {"--no-repack", "--no-webui", "--kv-unified"} <= set(cmd)  # cllm's default pool
-    s.kv_unified = False
-    assert "--kv-unified" not in peer.server_command(Path("/b"), Path("/m"), 1, s)
+    assert {"--no-repack", "--no-webui"} <= set(cmd)
+    # cllm's default layout, which both servers get: one pool on a GPU, split on a CPU.
+    assert ("--kv-unified" in cmd) is _core.supports_gpu_offload()
+    s.kv_unified = True
+    assert "--kv-unified" in peer.server_command(Path("/b"), Path("/m"), 1, s)
 
 
 def test_build_dir_keyed_by_tree_and_cmake_args(monkeypatch, tmp_path):
