@@ -238,6 +238,7 @@ cdef class Context:
     cdef int n_eog, n_threads
     # One step's outputs to sample: sequence, batch index, and logits where greedy (else NULL).
     cdef int * out_seq
+    cdef int * out_row
     cdef int32_t * out_idx
     cdef float ** out_logits
     cdef int * out_tokens
@@ -279,6 +280,7 @@ cdef class Context:
         self.chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
         self.ban_eog = <unsigned char *> calloc(self.n_seq_max, 1)
         self.out_seq = <int *> malloc(self.n_batch * sizeof(int))
+        self.out_row = <int *> malloc(self.n_batch * sizeof(int))
         self.out_idx = <int32_t *> malloc(self.n_batch * sizeof(int32_t))
         self.out_logits = <float **> malloc(self.n_batch * sizeof(float *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
@@ -286,6 +288,7 @@ cdef class Context:
         self.n_eog = len(eog)
         self.eog_ids = <int *> malloc(max(1, self.n_eog) * sizeof(int))
         if (self.chains is NULL or self.ban_eog is NULL or self.out_seq is NULL
+                or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
                 or self.eog_ids is NULL):
             raise MemoryError()
@@ -302,6 +305,7 @@ cdef class Context:
         free(self.ban_eog)
         free(self.eog_ids)
         free(self.out_seq)
+        free(self.out_row)
         free(self.out_idx)
         free(self.out_logits)
         free(self.out_tokens)
@@ -427,29 +431,42 @@ cdef class Context:
         the first at `positions[r]`. Rows with `sample[r]` get a token sampled from the logits of
         their last token; the others get -1. With `top_logprobs` (-1: none, k >= 0: the chosen
         token's log-probability and the k most likely), returns (tokens, Logprobs), else tokens.
-        Raises KVCacheFullError when the batch does not fit the KV cache (nothing is written),
-        DecodeError for any other failure."""
-        cdef Py_ssize_t n_rows = seq_ids.shape[0]
+
+        Split streams decode the one-token rows together and each longer row on its own, cut at
+        its last multiple of PREFILL_BLOCK (see there). Raises KVCacheFullError when the batch
+        does not fit the KV cache (nothing is written), DecodeError for any other failure."""
+        cdef Py_ssize_t r, n_rows = seq_ids.shape[0]
         if positions.shape[0] != n_rows or n_tokens.shape[0] != n_rows or sample.shape[0] != n_rows:
             raise ValueError("seq_ids, positions, n_tokens and sample must have one entry per row")
         if top_logprobs is not None and top_logprobs.shape[0] != n_rows:
             raise ValueError("top_logprobs must have one entry per row")
         self._check_rows(seq_ids, n_tokens, tokens)
         cdef carray.array out = carray.clone(_INT_ARRAY, n_rows, False)
-        cdef int * out_p = out.data.as_ints
+        cdef int k = 0
+        cdef Logprobs lp = None
+        if top_logprobs is not None:
+            for r in range(n_rows):
+                k = max(k, top_logprobs[r])
+            lp = Logprobs.__new__(Logprobs, n_rows, k)
+        cdef _Pieces pieces = _Pieces(positions, n_tokens, not self.kv_unified)
+        cdef _RowLogprobs wanted
+        wanted.top = NULL
+        if lp is not None:
+            wanted.top = &top_logprobs[0]
+            wanted.k = k
+            wanted.chosen = lp.chosen.data.as_floats
+            wanted.top_ids = lp.top_ids.data.as_ints
+            wanted.top_lps = lp.top_logprobs.data.as_floats
         cdef int32_t rc
+        cdef int failed_call = 0
         with nogil:
-            self._fill_batch(seq_ids, positions, n_tokens, sample, tokens)
-            rc = llama_decode(self.ctx, self.batch)
-            if rc == 0:
-                self._sample_rows(seq_ids, n_tokens, sample, out_p)
-        if rc == 1:
+            rc = self._decode_pieces(pieces, seq_ids, positions, n_tokens, sample, tokens,
+                                     out.data.as_ints, &wanted, &failed_call)
+        if rc == 1 and failed_call == 0:
             raise KVCacheFullError(rc, "no room in the KV cache for this batch")
         if rc != 0:
             raise DecodeError(rc, "invalid batch" if rc == -1 else "decode failed")
-        if top_logprobs is None:
-            return out
-        return out, self._logprobs(n_tokens, sample, top_logprobs, out)
+        return out if lp is None else (out, lp)
 
     def decode_run(self, const int[::1] seq_ids, const int[::1] positions,
                    const int[::1] last_tokens, const int[::1] budgets, int n_steps):
@@ -571,57 +588,136 @@ cdef class Context:
             if tokens[r] < 0 or tokens[r] >= self.n_vocab:
                 raise ValueError(f"token id {tokens[r]} outside the vocabulary [0, {self.n_vocab})")
 
-    cdef void _fill_batch(self, const int[::1] seq_ids, const int[::1] positions,
-                          const int[::1] n_tokens, const int[::1] sample,
-                          const int[::1] tokens) noexcept nogil:
-        cdef Py_ssize_t r, j, i = 0
-        for r in range(seq_ids.shape[0]):
-            for j in range(n_tokens[r]):
-                self.batch.token[i] = tokens[i]
-                self.batch.pos[i] = positions[r] + j
-                self.batch.n_seq_id[i] = 1
-                self.batch.seq_id[i][0] = seq_ids[r]
-                self.batch.logits[i] = sample[r] != 0 and j == n_tokens[r] - 1
-                i += 1
-        self.batch.n_tokens = <int32_t> i
-
-    cdef void _sample_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
-                           const int[::1] sample, int * out) noexcept nogil:
-        cdef Py_ssize_t r
-        cdef int n = 0
-        cdef int32_t last = -1
-        for r in range(seq_ids.shape[0]):
-            last += n_tokens[r]
-            if sample[r]:
-                self.out_seq[n] = seq_ids[r]
-                self.out_idx[n] = last
-                n += 1
-        self._sample_outputs(n, self.out_tokens)
-        n = 0
-        for r in range(seq_ids.shape[0]):
+    cdef int32_t _decode_pieces(self, _Pieces pieces, const int[::1] seq_ids,
+                                const int[::1] positions, const int[::1] n_tokens,
+                                const int[::1] sample, const int[::1] tokens, int * out,
+                                _RowLogprobs * wanted, int * failed_call) noexcept nogil:
+        """One llama_decode per call of the plan, sampling the rows that end in it (and their
+        log-probabilities, while that call's logits are there)."""
+        cdef int c, p, j, r, i, n_out, first = 0
+        cdef int32_t rc
+        for r in range(pieces.n_rows):
             out[r] = -1
-            if sample[r]:
-                out[r] = self.out_tokens[n]
-                n += 1
+        for c in range(pieces.n_calls):
+            i = 0
+            n_out = 0
+            for p in range(first, pieces.call_end[c]):
+                r = pieces.row[p]
+                for j in range(pieces.length[p]):
+                    self.batch.token[i] = tokens[pieces.row_first[r] + pieces.offset[p] + j]
+                    self.batch.pos[i] = positions[r] + pieces.offset[p] + j
+                    self.batch.n_seq_id[i] = 1
+                    self.batch.seq_id[i][0] = seq_ids[r]
+                    self.batch.logits[i] = 0
+                    i += 1
+                if sample[r] and pieces.offset[p] + pieces.length[p] == n_tokens[r]:
+                    self.batch.logits[i - 1] = 1
+                    self.out_seq[n_out] = seq_ids[r]
+                    self.out_idx[n_out] = i - 1
+                    self.out_row[n_out] = r
+                    n_out += 1
+            self.batch.n_tokens = <int32_t> i
+            rc = llama_decode(self.ctx, self.batch)
+            if rc != 0:
+                failed_call[0] = c
+                return rc
+            self._sample_outputs(n_out, self.out_tokens)
+            for i in range(n_out):
+                r = self.out_row[i]
+                out[r] = self.out_tokens[i]
+                if wanted.top != NULL and wanted.top[r] >= 0:
+                    _fill_logprobs(llama_get_logits_ith(self.ctx, self.out_idx[i]), self.n_vocab,
+                                   out[r], min(wanted.top[r], wanted.k), &wanted.chosen[r],
+                                   &wanted.top_ids[r * wanted.k],
+                                   &wanted.top_lps[r * wanted.k])
+            first = pieces.call_end[c]
+        return 0
 
-    cdef object _logprobs(self, const int[::1] n_tokens, const int[::1] sample,
-                          const int[::1] top_logprobs, carray.array chosen):
-        cdef Py_ssize_t r, n_rows = n_tokens.shape[0]
-        cdef int k = 0
-        for r in range(n_rows):
-            k = max(k, top_logprobs[r])
-        cdef Logprobs lp = Logprobs.__new__(Logprobs, n_rows, k)
-        cdef int32_t last = -1
-        with nogil:
-            for r in range(n_rows):
-                last += n_tokens[r]
-                if sample[r] and top_logprobs[r] >= 0:
-                    _fill_logprobs(llama_get_logits_ith(self.ctx, last), self.n_vocab,
-                                   chosen.data.as_ints[r], min(top_logprobs[r], k),
-                                   &lp.chosen.data.as_floats[r],
-                                   &lp.top_ids.data.as_ints[r * k],
-                                   &lp.top_logprobs.data.as_floats[r * k])
-        return lp
+
+# Split streams decode prompts in pieces aligned to this many positions, each piece in a
+# llama_decode of its own: a piece of whole blocks, then the rest. So a prompt token's rows go
+# through the same kernels whether its prefix came from the prefix cache (which reuses whole
+# blocks) or was computed with it, and whatever else is in the step: with fewer than 64 query
+# rows, ggml's CPU flash attention takes another path (GGML_FA_TILE_Q is 64), and one batch's
+# rows of several streams are split by llama.cpp at other places.
+PREFILL_BLOCK = 64
+
+
+cdef struct _RowLogprobs:
+    const int * top  # per row: -1, or how many top log-probabilities it wants; NULL: none
+    int k
+    float * chosen
+    int * top_ids
+    float * top_lps
+
+
+cdef class _Pieces:
+    """A step's rows as llama_decode calls: `length[p]` tokens of row `row[p]` from its token
+    `offset[p]`; call c feeds pieces [call_end[c - 1], call_end[c])."""
+    cdef int n_rows, n_pieces, n_calls
+    cdef int * row
+    cdef int * offset
+    cdef int * length
+    cdef int * call_end
+    cdef int * row_first  # index of each row's first token in the flat token array
+
+    def __cinit__(self, const int[::1] positions, const int[::1] n_tokens, bint split):
+        cdef int n = positions.shape[0]
+        self.n_rows = n
+        self.row = <int *> malloc((2 * n + 1) * sizeof(int))
+        self.offset = <int *> malloc((2 * n + 1) * sizeof(int))
+        self.length = <int *> malloc((2 * n + 1) * sizeof(int))
+        self.call_end = <int *> malloc((2 * n + 1) * sizeof(int))
+        self.row_first = <int *> malloc((n + 1) * sizeof(int))
+        if (self.row is NULL or self.offset is NULL or self.length is NULL
+                or self.call_end is NULL or self.row_first is NULL):
+            raise MemoryError()
+        cdef int r, total = 0
+        for r in range(n):
+            self.row_first[r] = total
+            total += n_tokens[r]
+        if split:
+            self._plan_split(positions, n_tokens)
+        else:  # one call for every row
+            for r in range(n):
+                self._add(r, 0, n_tokens[r])
+            self._end_call()
+
+    def __dealloc__(self):
+        free(self.row)
+        free(self.offset)
+        free(self.length)
+        free(self.call_end)
+        free(self.row_first)
+
+    cdef void _plan_split(self, const int[::1] positions, const int[::1] n_tokens):
+        cdef int r, whole
+        for r in range(self.n_rows):  # the decodes together
+            if n_tokens[r] == 1:
+                self._add(r, 0, 1)
+        self._end_call()
+        for r in range(self.n_rows):
+            if n_tokens[r] == 1:
+                continue
+            whole = (positions[r] + n_tokens[r]) // PREFILL_BLOCK * PREFILL_BLOCK - positions[r]
+            if positions[r] % PREFILL_BLOCK == 0 and 0 < whole < n_tokens[r]:
+                self._add(r, 0, whole)
+                self._end_call()
+                self._add(r, whole, n_tokens[r] - whole)
+            else:
+                self._add(r, 0, n_tokens[r])
+            self._end_call()
+
+    cdef void _add(self, int r, int offset, int length):
+        self.row[self.n_pieces] = r
+        self.offset[self.n_pieces] = offset
+        self.length[self.n_pieces] = length
+        self.n_pieces += 1
+
+    cdef void _end_call(self):
+        if self.n_pieces > (self.call_end[self.n_calls - 1] if self.n_calls else 0):
+            self.call_end[self.n_calls] = self.n_pieces
+            self.n_calls += 1
 
 
 cdef carray.array _ones(Py_ssize_t n):

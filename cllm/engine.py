@@ -110,7 +110,8 @@ class Engine:
                                    max_queue=config.max_queue,
                                    eog_tokens=frozenset(self.model.eog_tokens),
                                    n_slots=self.ctx.n_seq_max, shared_kv=self.kv_unified,
-                                   prefix_cache=config.prefix_cache)
+                                   prefix_cache=config.prefix_cache,
+                                   prefill_block=1 if self.kv_unified else _core.PREFILL_BLOCK)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where a step dwarfs it.

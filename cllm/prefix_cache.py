@@ -71,15 +71,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class PrefixCache:
     """Slots, what each holds, and the cells used. `shared_cells`: slots can share cells (one
-    unified KV pool); otherwise sharing a prefix copies it (split streams)."""
+    unified KV pool); otherwise sharing a prefix copies it (split streams). A reused prefix is
+    a whole number of `block`s (the core decodes prompts in aligned blocks: _core.PREFILL_BLOCK)."""
 
     # A slot's own prefix is reused in place when it covers at least this share of the slot;
     # below, the new sequence takes an empty or stale slot and the old content stays cached.
     REUSE_IN_PLACE = 0.5
 
-    def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True) -> None:
+    def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True,
+                 block: int = 1) -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         self.shared_cells = shared_cells
+        self.block = block
         self.enabled = enabled
         self.cells_used = 0
         self._group_start: dict[int, int] = {}
@@ -106,7 +109,7 @@ class PrefixCache:
             held, usable = live_prefix(slot) if slot.live else (slot.tokens, slot.length)
             if usable == 0 or held[0] != tokens[0]:
                 continue
-            n = min(common_prefix(held, tokens), usable, limit)
+            n = min(common_prefix(held, tokens), usable, limit) // self.block * self.block
             # Ties go to an idle slot, which can be taken over without a copy.
             if n > best_len or (n == best_len and n and best.live and not slot.live):
                 best, best_len = slot, n

@@ -48,7 +48,9 @@ class Scheduler:
     `max_seqs` sequences run at once in `n_slots` slots (more slots keep more cached prefixes).
     `shared_kv`: one pool of `kv_capacity` cells for all slots, where cached prefixes are evicted
     (least recently used) and then running sequences preempted when cells run out; otherwise each
-    slot is a stream of `max_seq_len` cells that its sequence can never outgrow."""
+    slot is a stream of `max_seq_len` cells that its sequence can never outgrow.
+    `prefill_block`: a prompt chunk that stops short of the prompt's end stops at a multiple of
+    it, and cached prefixes are reused in whole blocks (see _core.PREFILL_BLOCK)."""
 
     # A sequence whose prompt shares at least this many more tokens with one still being
     # prefilled waits for them rather than computing them a second time; a shorter common
@@ -58,7 +60,7 @@ class Scheduler:
     def __init__(self, *, max_seqs: int, token_budget: int, kv_capacity: int, max_queue: int,
                  max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset(),
                  n_slots: int | None = None, shared_kv: bool = True,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, prefill_block: int = 1) -> None:
         self.max_seqs = max_seqs
         self.token_budget = token_budget
         self.kv_capacity = kv_capacity
@@ -66,7 +68,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.eog_tokens = eog_tokens
         self.cache = PrefixCache(n_slots or max_seqs, shared_cells=shared_kv,
-                                 enabled=prefix_cache)
+                                 enabled=prefix_cache, block=prefill_block)
+        self.prefill_block = prefill_block
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
@@ -314,9 +317,11 @@ class Scheduler:
         return False
 
     def _add_chunk(self, out: SchedulerOutput, seq: Sequence, length: int) -> int:
+        start = seq.num_computed_tokens
+        if start + length < seq.num_tokens:  # a chunk short of the end ends at a block's end
+            length = (start + length) // self.prefill_block * self.prefill_block - start
         if length <= 0:
             return 0
-        start = seq.num_computed_tokens
         out.chunks.append(ScheduledChunk(seq, start, length, start + length == seq.num_tokens))
         self._step_cells += length
         return length

@@ -56,7 +56,8 @@ def assert_idle(engine):
     llama.cpp. Only call it with the engine thread idle: a unified cache is probed."""
     assert engine.num_running == 0 and engine.num_waiting == 0
     assert not any(slot.live for slot in engine.scheduler.cache.slots)
-    assert engine.scheduler.kv_used == engine.cached_cells == llama_cells_used(engine)
+    used = llama_cells_used(engine)  # first: probing may evict a cached prefix
+    assert engine.scheduler.kv_used == engine.cached_cells == used
 
 
 def llama_cells_used(engine):
@@ -66,7 +67,13 @@ def llama_cells_used(engine):
     ctx = engine.ctx
     if not engine.kv_unified:
         return ctx.kv_cells_used()
-    probe = next(slot.id for slot in engine.scheduler.cache.slots if not slot.runs)
+    cache = engine.scheduler.cache
+    empty = [slot for slot in cache.slots if not slot.runs]
+    if not empty:  # every slot holds a prefix: evict one, as the scheduler would
+        empty = cache.eviction_order()[:1]
+        cache.evict(empty[0])
+        ctx.remove_sequence(empty[0].id)
+    probe = empty[0].id
     free = ctx.n_ctx - engine.scheduler.kv_used
     fed = 0
     while fed < free:
@@ -271,7 +278,8 @@ def test_default_kv_layout_is_split_on_a_cpu_and_one_pool_on_a_gpu(engine):
 
 def test_a_shared_prefix_is_computed_once(model_path):
     """8 concurrent requests share a document: it is prefilled once (7 report it cached, as far
-    as their prompts agree), and a repeat of a whole prompt recomputes only its last token."""
+    as their prompts agree, in whole blocks), and a repeat of a whole prompt recomputes only
+    its last block."""
     prompts = [DOCUMENT + q for q in QUESTIONS]
     eng = Engine(EngineConfig(n_ctx=8 * 1024, n_parallel=8, n_threads=2), model_path)
     try:
@@ -282,13 +290,14 @@ def test_a_shared_prefix_is_computed_once(model_path):
             return await asyncio.gather(*(run_tokens(eng, t, max_tokens=MAX_TOKENS,
                                                      temperature=0) for t in token_lists))
         results = asyncio.run(together())
-        shared = min(common_prefix(token_lists[0], t) for t in token_lists[1:])
+        block = eng.scheduler.prefill_block
+        shared = min(common_prefix(token_lists[0], t) for t in token_lists[1:]) // block * block
         assert sorted(final.cached_tokens for _, final in results) == [0] + [shared] * 7
         assert all(final.completion_tokens == MAX_TOKENS or final.finish_reason == FINISH_STOP
                    for _, final in results)
         assert_idle(eng)
         _, final = asyncio.run(run_tokens(eng, token_lists[3], max_tokens=2, temperature=0))
-        assert final.cached_tokens == len(token_lists[3]) - 1
+        assert final.cached_tokens == (len(token_lists[3]) - 1) // block * block
         _, final = asyncio.run(run_tokens(eng, token_lists[3], cache_prompt=False, max_tokens=2,
                                           temperature=0))
         assert final.cached_tokens == 0
@@ -304,7 +313,7 @@ def test_a_long_prompt_evicts_cached_prefixes_and_nothing_live_is_lost(model_pat
         docs = [small.model.tokenize(f"Document {k}. " + DOCUMENT[k * 40:]) for k in range(3)]
         for doc in docs:  # three finished requests leave ~900 cells cached
             asyncio.run(run_tokens(small, doc[:300], max_tokens=2, temperature=0))
-        assert small.cached_cells >= 900
+        assert small.cached_cells >= 850
 
         async def long_beside_running():
             running = run_tokens(small, docs[0][:40], max_tokens=60, temperature=0,
@@ -317,7 +326,9 @@ def test_a_long_prompt_evicts_cached_prefixes_and_nothing_live_is_lost(model_pat
         assert [final.completion_tokens for _, final in results] == [60, 20]
         assert [final.finish_reason for _, final in results] == [FINISH_LENGTH] * 2
         assert small.scheduler.num_preemptions == 0  # cached prefixes made the room
-        assert small.cached_cells < 900
+        still_cached = [small.scheduler.cache.best_match(doc[:300], 299, None)[1] == 299
+                        for doc in docs]
+        assert not all(still_cached)
         assert_idle(small)
     finally:
         small.shutdown()
@@ -349,8 +360,43 @@ def test_a_thousand_mixed_requests_leave_only_the_cache(model_path):
 
     try:
         finals = asyncio.run(main())
-        assert all(f.finish_reason in (FINISH_LENGTH, FINISH_ABORT) for f in finals)
+        assert all(f.finish_reason in (FINISH_LENGTH, FINISH_STOP, FINISH_ABORT) for f in finals)
         assert sum(f.cached_tokens for f in finals) > 0
         assert_idle(pool)
     finally:
         pool.shutdown()
+
+
+def test_greedy_text_is_the_same_cached_or_computed_and_whatever_runs_beside_it(model_path):
+    """The default layout on a CPU: 8 requests over one 130-token preamble, at concurrency 8 with
+    the prefix cache and again from a warm cache, give the texts each got alone with nothing
+    cached. (Beyond 256 cells, a sequence decoded alone takes another of ggml's CPU attention
+    paths than one decoded beside others: see ARCHITECTURE.md.)"""
+    preamble = ("You are the harbour master's assistant. Answer each question about the "
+                "harbour's records briefly and plainly. " * 7)
+    prompts = [preamble + q for q in QUESTIONS]
+    eng = Engine(EngineConfig(n_ctx=8 * 512, n_parallel=8, n_threads=2), model_path)
+    try:
+        if eng.kv_unified:
+            pytest.xfail("llama.cpp's CUDA kernels are not batch-invariant (see test_core)")
+        token_lists = [eng.model.tokenize(p) for p in prompts]
+        assert 128 <= min(common_prefix(token_lists[0], t) for t in token_lists[1:])
+        alone = [asyncio.run(run_tokens(eng, t, cache_prompt=False, max_tokens=40,
+                                        temperature=0, ignore_eos=True))[0]
+                 for t in token_lists]
+        for t in token_lists:  # evict: every slot starts cold again
+            asyncio.run(run_tokens(eng, [1] + t[1:2], max_tokens=1, temperature=0))
+        assert eng.scheduler.cache.best_match(token_lists[0], len(token_lists[0]) - 1,
+                                              None)[1] == 0
+
+        async def together():
+            return await asyncio.gather(*(run_tokens(eng, t, max_tokens=40, temperature=0,
+                                                     ignore_eos=True) for t in token_lists))
+        cold_cache = asyncio.run(together())
+        assert sum(final.cached_tokens > 0 for _, final in cold_cache) == 7
+        warm_cache = asyncio.run(together())
+        assert all(final.cached_tokens > 0 for _, final in warm_cache)
+        assert [text for text, _ in cold_cache] == alone
+        assert [text for text, _ in warm_cache] == alone
+    finally:
+        eng.shutdown()
