@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from cllm import api
 from cllm.api import APIError
+from cllm.chat_template import ChatTemplate
 from cllm.config import SamplingParams, ServerConfig
 from cllm.engine import Delta, Engine, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
@@ -39,7 +40,7 @@ class AppState:
         self.model_name = model_name
         self.metrics = Metrics()
         self.engine: Engine | None = None
-        self.template: api.ChatTemplate | None = None
+        self.template: ChatTemplate | None = None
         self.load_error: str | None = None
         self.stopping = False
 
@@ -48,12 +49,12 @@ class AppState:
         model = engine.model
         piece = lambda t: model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
         try:
-            self.template = api.ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
-                                             eos_token=piece(model.eos_token))
+            self.template = ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
+                                         eos_token=piece(model.eos_token))
         except ValueError as exc:
             log.warning("the model's chat template does not compile (%s); using ChatML", exc)
-            self.template = api.ChatTemplate(None, bos_token=piece(model.bos_token),
-                                             eos_token=piece(model.eos_token))
+            self.template = ChatTemplate(None, bos_token=piece(model.bos_token),
+                                         eos_token=piece(model.eos_token))
         self.metrics.watch(engine)
         self.engine = engine
 
