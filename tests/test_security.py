@@ -3,16 +3,24 @@
 What test_server.py already covers is not repeated here (a missing, wrong or differently-cased
 key; bodies over a small limit; max_tokens over a small context; a missing or non-GGUF model).
 Here: near-miss API keys, the default bind address, the request bounds at their edges, the chat
-template sandbox against hostile templates in a GGUF, and a truncated model file."""
+template sandbox against hostile templates in a GGUF, a truncated model file, and the pinned
+versions of the dependencies that guard the sandbox."""
 from __future__ import annotations
 
 import json
 import shutil
 import struct
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
+from packaging.requirements import Requirement  # pytest's own dependency
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from cllm.config import MAX_STOP_LENGTH, MAX_STOP_STRINGS, ServerConfig
 from http_checks import assert_error
@@ -213,3 +221,15 @@ def test_truncated_model_exits_with_one_error_line(model_path, tmp_path):
     errors = [line for line in srv.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1, srv.stderr
     assert str(path) in errors[0] and "load" in errors[0], errors
+
+
+# ---- dependencies ----
+
+def test_jinja2_requirement_excludes_versions_with_sandbox_escapes():
+    """The chat template sandbox is Jinja's: versions before 3.1.6 let a template escape it
+    (CVE-2024-56326, CVE-2025-27516)."""
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    (jinja,) = [Requirement(r) for r in pyproject["project"]["dependencies"]
+                if Requirement(r).name == "jinja2"]
+    assert not jinja.specifier.contains("3.1.5") and not jinja.specifier.contains("3.1.4")
+    assert jinja.specifier.contains("3.1.6")
