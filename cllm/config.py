@@ -96,5 +96,10 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16  # completions per request ("n")
     shutdown_grace: float = 30.0
+    template_timeout: float = 10.0  # seconds a chat template may take to render a prompt
     log_requests: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.template_timeout <= 0:
+            raise ValueError("template_timeout must be positive")

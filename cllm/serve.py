@@ -44,6 +44,8 @@ OPTIONS = {
                      "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
     "max_body_bytes": (int, _SERVER.max_body_bytes, "largest request body (413 above)"),
     "shutdown_grace": (float, _SERVER.shutdown_grace, "seconds in-flight requests get on SIGTERM"),
+    "template_timeout": (float, _SERVER.template_timeout,
+                         "seconds the chat template may take to render a prompt (400 past it)"),
     "log_level": (str, "info", "debug, info, warning or error"),
 }
 
@@ -93,7 +95,8 @@ def build_config(options: dict) -> ServerConfig:
         request_timeout=options["request_timeout"])
     return ServerConfig(host=options["host"], port=options["port"], api_key=options["api_key"],
                         max_body_bytes=options["max_body_bytes"],
-                        shutdown_grace=options["shutdown_grace"], engine=engine)
+                        shutdown_grace=options["shutdown_grace"],
+                        template_timeout=options["template_timeout"], engine=engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from cllm import api
 from cllm.api import APIError
-from cllm.chat_template import ChatTemplate
+from cllm.chat_template import ChatTemplate, TemplateRenderer
 from cllm.config import SamplingParams, ServerConfig
 from cllm.engine import Delta, Engine, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
@@ -33,14 +33,14 @@ log = logging.getLogger("cllm.server")
 
 
 class AppState:
-    """The engine (once loaded), the chat template and the metrics of one app."""
+    """The engine (once loaded), the chat template's renderer and the metrics of one app."""
 
     def __init__(self, config: ServerConfig, model_name: str) -> None:
         self.config = config
         self.model_name = model_name
         self.metrics = Metrics()
         self.engine: Engine | None = None
-        self.template: ChatTemplate | None = None
+        self.renderer: TemplateRenderer | None = None
         self.load_error: str | None = None
         self.stopping = False
 
@@ -49,12 +49,13 @@ class AppState:
         model = engine.model
         piece = lambda t: model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
         try:
-            self.template = ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
-                                         eos_token=piece(model.eos_token))
+            template = ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
+                                    eos_token=piece(model.eos_token))
         except ValueError as exc:
             log.warning("the model's chat template does not compile (%s); using ChatML", exc)
-            self.template = ChatTemplate(None, bos_token=piece(model.bos_token),
-                                         eos_token=piece(model.eos_token))
+            template = ChatTemplate(None, bos_token=piece(model.bos_token),
+                                    eos_token=piece(model.eos_token))
+        self.renderer = TemplateRenderer(template, timeout=self.config.template_timeout)
         self.metrics.watch(engine)
         self.engine = engine
 
@@ -62,6 +63,8 @@ class AppState:
         """Refuse new requests and end the running ones, each with a stated 503 (reason
         'shutdown'); idempotent."""
         self.stopping = True
+        if self.renderer is not None:
+            self.renderer.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 
@@ -218,7 +221,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
-    text = state.template.render(req.messages)
+    text = await state.renderer.render(req.messages)
     # Templates that write the BOS token themselves must not get a second one.
     bos = state.piece(engine.model.bos_token) if engine.model.adds_bos else None
     prompt = engine.model.tokenize(text, add_special=not (bos and text.startswith(bos)),

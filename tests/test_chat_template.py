@@ -1,9 +1,11 @@
-"""Chat templates (cllm/chat_template.py): the sandbox, the helpers templates use, errors as 400s;
-no model needed."""
+"""Chat templates (cllm/chat_template.py): the sandbox, the helpers templates use, errors as 400s,
+and the renderer's limits on time, memory and output; no model needed."""
+import asyncio
+
 import pytest
 
 from cllm.api import APIError
-from cllm.chat_template import ChatTemplate
+from cllm.chat_template import ChatTemplate, TemplateRenderer
 
 
 def rejects(call) -> APIError:
@@ -113,3 +115,52 @@ def test_rendered_messages_are_not_mutated():
     messages = [dict(m) for m in USER_HI]
     ChatTemplate(SMOLLM2, bos_token="", eos_token="").render(messages)
     assert messages == USER_HI
+
+
+def test_rendered_prompt_is_bounded():
+    template = ChatTemplate("{% for i in range(10) %}{{ 'x' * 100 }}{% endfor %}",
+                            bos_token="", eos_token="", max_chars=1000)
+    assert template.render(USER_HI) == "x" * 1000
+    template.max_chars = 999
+    err = rejects(lambda: template.render(USER_HI))
+    assert err.message == "chat template error: the rendered prompt is over 999 characters"
+
+
+# Spins when asked to; says the message otherwise.
+SPIN = ("{% if messages[0].content == 'spin' %}{% for i in range(100000) %}"
+        "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}{{ messages[0].content }}")
+
+
+def render_all(source: str, contents: list[str], timeout: float = 30) -> list[str]:
+    """Each content rendered as a one-message chat by one renderer, in turn: the prompt, or
+    the 400's message."""
+    async def main():
+        renderer = TemplateRenderer(ChatTemplate(source, bos_token="", eos_token=""),
+                                    timeout=timeout)
+        out = []
+        try:
+            for content in contents:
+                try:
+                    out.append(await renderer.render([{"role": "user", "content": content}]))
+                except APIError as err:
+                    assert err.status == 400
+                    out.append(err.message)
+        finally:
+            renderer.close()
+        return out
+    return asyncio.run(main())
+
+
+def test_renderer_renders():
+    assert render_all(SPIN, ["Hi", "again"]) == ["Hi", "again"]
+
+
+def test_render_past_its_deadline_is_a_400_and_the_next_render_works():
+    assert render_all(SPIN, ["spin", "Hi"], timeout=1) == [
+        "chat template error: rendering took over 1 s", "Hi"]
+
+
+def test_render_past_the_memory_limit_is_a_400_and_the_next_render_works():
+    source = "{% if messages[0].content == 'big' %}{{ 'x' * 10**11 }}{% endif %}ok"
+    refused, ok = render_all(source, ["big", "Hi"])
+    assert refused.startswith("chat template error: rendering needs over") and ok == "ok"

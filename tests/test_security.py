@@ -23,7 +23,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from cllm.config import MAX_STOP_LENGTH, MAX_STOP_STRINGS, ServerConfig
-from http_checks import assert_error
+from http_checks import StreamGaps, assert_error
 from server_process import ServerProcess, server_env, serve_command
 
 KEY = "s3cret-Key_0123456789"
@@ -181,7 +181,7 @@ HOSTILE_TEMPLATES = [
     "{{ lipsum.__globals__['os'].system('touch MARKER') }}",
     "{% for c in ''.__class__.__base__.__subclasses__() %}{% if c.__name__ == 'Popen' %}"
     "{{ c(['touch', 'MARKER']) }}{% endif %}{% endfor %}",
-    "{{ messages.pop() }}{{ range(10**9) | list }}",
+    "{{ range(10**9) | list }}",
 ]
 
 
@@ -200,6 +200,36 @@ def test_hostile_chat_template_is_refused(model_path, tmp_path, template):
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"], r.text
         assert http.get("/health").status_code == 200
     assert not marker.exists()
+    assert "Traceback" not in srv.log
+
+
+# Templates that stay inside the sandbox but would take all the CPU time or memory there is.
+RESOURCE_HUNGRY_TEMPLATES = {
+    "cpu": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "output": "{% for i in range(100000) %}{{ 'x' * 10**7 }}{% endfor %}",
+    "memory": "{{ messages | tojson(indent=10**9) }}",
+    "one string": "{{ 'x' * 10**11 }}",
+}
+
+
+@pytest.mark.parametrize("template", RESOURCE_HUNGRY_TEMPLATES.values(),
+                         ids=RESOURCE_HUNGRY_TEMPLATES.keys())
+def test_resource_hungry_chat_template_is_stopped(model_path, tmp_path, template):
+    """The render is cut off with a 400; while it runs, streams flow and /health answers."""
+    gguf = tmp_path / "hungry.gguf"
+    with_chat_template(model_path, gguf, template)
+    with ServerProcess("--model", str(gguf), "--parallel", "2", "--template-timeout", "2") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        with StreamGaps(srv.url) as gaps:
+            r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+            assert http.get("/health").status_code == 200
+            assert gaps.largest() < 2.0
+        error = assert_error(r, 400, type_="invalid_request_error")
+        assert error["message"].startswith("chat template error:"), error
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+        assert_error(r, 400)  # the next render is refused the same way: its worker was replaced
     assert "Traceback" not in srv.log
 
 
