@@ -109,9 +109,8 @@ class TemplateRenderer:
     WORKER_MEMORY_BYTES fails; either is a 400, and the next render gets a fresh worker."""
 
     def __init__(self, template: ChatTemplate, *, timeout: float, workers: int = 2) -> None:
+        self.template = template  # compiled here too: what the workers render
         self.timeout = timeout
-        self._args = (template.source, template.bos_token, template.eos_token,
-                      template.max_chars)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cllm-template")
         self._local = threading.local()
         self._workers: set[_Worker] = set()
@@ -139,7 +138,8 @@ class TemplateRenderer:
             raise APIError(400, f"chat template error: {exc}") from None
 
     def _start_worker(self) -> _Worker:
-        worker = _Worker(self._args)
+        t = self.template
+        worker = _Worker((t.source, t.bos_token, t.eos_token, t.max_chars))
         with self._lock:
             self._workers.add(worker)
         return worker

@@ -222,8 +222,9 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
     text = await state.renderer.render(req.messages)
-    # Templates that write the BOS token themselves must not get a second one.
-    bos = state.piece(engine.model.bos_token) if engine.model.adds_bos else None
+    # Templates that write the BOS token themselves must not get a second one. The check is on
+    # the BOS token's text ("<bos>"): its piece without special=True is empty.
+    bos = state.renderer.template.bos_token if engine.model.adds_bos else None
     prompt = engine.model.tokenize(text, add_special=not (bos and text.startswith(bos)),
                                    parse_special=True)
     fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from cllm.chat_template import ChatTemplate
 from http_checks import assert_error, metrics, post_stream, sse_payloads, wait_for_metric
 from server_process import ServerProcess
 
@@ -231,6 +234,26 @@ def test_openai_client_raises_on_a_bad_request(client):
     assert info.value.status_code == 400
     assert info.value.body["type"] == "invalid_request_error"
     assert "max_tokens" in info.value.body["message"]
+
+
+# A Gemma-style template that writes the BOS token itself, as Gemma's instruct models' do.
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
+                  "{{ m.content }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n")
+
+
+def test_template_that_writes_bos_gets_no_second_one(gemma_path, tmp_path):
+    gguf = tmp_path / "gemma-chat.gguf"  # the base model has no template: give it one
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", gemma_path, str(gguf),
+                    "--chat-template", GEMMA_TEMPLATE, "--force"],
+                   check=True, capture_output=True, timeout=600)
+    rendered = ChatTemplate(GEMMA_TEMPLATE, bos_token="<bos>", eos_token="<eos>").render(CHAT)
+    with ServerProcess("--model", str(gguf), "--ctx-size", "512", "--parallel", "1") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        tokens = http.post("/tokenize", json={"content": rendered}).json()["tokens"]
+        assert tokens[0] != tokens[1]  # one BOS: the template's
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tokens)
 
 
 # ---- /generate, the original API ----
