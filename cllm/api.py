@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from cllm.config import MAX_TOP_LOGPROBS, SamplingParams
@@ -97,7 +98,33 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+        raise APIError(400, "request body is not valid Unicode: a string holds a lone surrogate "
+                            "(a \\uD800-\\uDFFF escape that is not half of a pair)")
     return body
+
+
+# Only a \uD800-\uDFFF escape can put a surrogate in a string: UTF-8 cannot encode one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether a string in the parsed body (keys too) has a surrogate without its pair: such text
+    has no UTF-8 form, so the tokenizer cannot take it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return False
 
 
 def _json_type(value: object) -> str:

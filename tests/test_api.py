@@ -48,6 +48,11 @@ def test_json_body_parses_an_object():
     assert parse_json_body(b'{"prompt": "h\xc3\xa9"}', 100) == {"prompt": "hé"}
 
 
+def test_json_body_keeps_escaped_surrogate_pairs():
+    raw = b'{"prompt": "\\ud83d\\ude00 \\u00e9"}'
+    assert parse_json_body(raw, 100) == {"prompt": "\U0001f600 \u00e9"}
+
+
 def test_json_body_at_the_limit_passes_and_one_byte_over_is_413():
     raw = b'{"a": "' + b"x" * 10 + b'"}'
     assert parse_json_body(raw, len(raw)) == {"a": "x" * 10}
@@ -57,6 +62,9 @@ def test_json_body_at_the_limit_passes_and_one_byte_over_is_413():
 
 @pytest.mark.parametrize("raw, words", [
     (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b'{"prompt": "\\ud800"}', "lone surrogate"),
+    (b'{"messages": [{"content": ["a", "\\udfff b"]}]}', "lone surrogate"),
+    (b'{"\\ud83d": 1}', "lone surrogate"),
     (b'{"prompt": ', "not valid JSON"),
     (b"", "not valid JSON"),
     (b'{"a": NaN}', "not valid JSON"),

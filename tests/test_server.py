@@ -302,6 +302,7 @@ def test_generate(http):
     b'{"prompt": "Hi", "stream": 1}',
     b'{"prompt": "Hi",',
     b'["Hi"]',
+    b'{"prompt": "\\ud800"}',
 ])
 def test_generate_failure(http, body):
     r = http.post("/generate", content=body, headers={"content-type": "application/json"})
@@ -345,6 +346,9 @@ BAD_REQUESTS = [
     ("/v1/completions", b""),
     ("/v1/completions", b"[1, 2]"),
     ("/v1/completions", b'{"prompt": "\xff"}'),
+    ("/v1/completions", b'{"prompt": "Hi \\ud800"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
+    ("/tokenize", b'{"content": "\\ud800"}'),
     ("/v1/completions", b'{"prompt": "Hi", "temperature": NaN}'),
     ("/v1/completions", b'{"prompt": 5}'),
     ("/v1/completions", b'{"prompt": [1000000000]}'),
