@@ -158,6 +158,8 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     """Submit n sequences for one request and answer it, streamed or whole."""
     state: AppState = request.app.state.cllm
     engine = state.require_engine()
+    if not prompt:  # text such as "\x1d" can tokenize to nothing
+        raise APIError(400, "the prompt has no tokens", param="prompt")
     if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
         raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
     streams = []

@@ -303,6 +303,7 @@ def test_generate(http):
     b'{"prompt": "Hi",',
     b'["Hi"]',
     b'{"prompt": "\\ud800"}',
+    b'{"prompt": "\\u001d"}',
 ])
 def test_generate_failure(http, body):
     r = http.post("/generate", content=body, headers={"content-type": "application/json"})
@@ -347,6 +348,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b"[1, 2]"),
     ("/v1/completions", b'{"prompt": "\xff"}'),
     ("/v1/completions", b'{"prompt": "Hi \\ud800"}'),
+    ("/v1/completions", b'{"prompt": "\\u001d"}'),  # text of no tokens
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
     ("/tokenize", b'{"content": "\\ud800"}'),
     ("/v1/completions", b'{"prompt": "Hi", "temperature": NaN}'),
