@@ -108,6 +108,13 @@ async def read_json(request: Request, limit: int) -> dict:
     return api.parse_json_body(bytes(raw), limit)
 
 
+async def tokenize_text(engine: Engine, text: str, *, add_special: bool) -> list[int]:
+    """Special-token text parsed as such. Megabytes take a second: the tokenizer runs in a
+    thread, with the GIL released, while the event loop serves the other requests."""
+    return await asyncio.to_thread(engine.model.tokenize, text, add_special=add_special,
+                                   parse_special=True)
+
+
 class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
@@ -213,8 +220,8 @@ async def completions(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = api.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
-    prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
-        req.prompt, add_special=True, parse_special=True)
+    prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
+        engine, req.prompt, add_special=True)
     fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage)
 
@@ -227,8 +234,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     # Templates that write the BOS token themselves must not get a second one. The check is on
     # the BOS token's text ("<bos>"): its piece without special=True is empty.
     bos = state.renderer.template.bos_token if engine.model.adds_bos else None
-    prompt = engine.model.tokenize(text, add_special=not (bos and text.startswith(bos)),
-                                   parse_special=True)
+    prompt = await tokenize_text(engine, text, add_special=not (bos and text.startswith(bos)))
     fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage)
 
@@ -237,7 +243,7 @@ async def generate(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     engine = state.require_engine()
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
-    prompt = engine.model.tokenize(req.prompt, add_special=True, parse_special=True)
+    prompt = await tokenize_text(engine, req.prompt, add_special=True)
     fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False)
 
@@ -254,17 +260,21 @@ async def models(request: Request, state: AppState) -> Response:
 async def tokenize(request: Request, state: AppState) -> Response:
     content, add_special = api.parse_tokenize(await read_json(request, state.config.max_body_bytes))
     engine = state.require_engine()
-    return JSONResponse({"tokens": engine.model.tokenize(content, add_special=add_special,
-                                                         parse_special=True)})
+    return JSONResponse({"tokens": await tokenize_text(engine, content, add_special=add_special)})
 
 
 async def detokenize(request: Request, state: AppState) -> Response:
     tokens = api.parse_detokenize(await read_json(request, state.config.max_body_bytes))
     engine = state.require_engine()
-    if any(t >= engine.model.n_vocab for t in tokens):
-        raise APIError(400, f"token ids must be below {engine.model.n_vocab}", param="tokens")
+    # A million ids take a while: off the event loop, which serves the other requests meanwhile.
+    return JSONResponse({"content": await asyncio.to_thread(_detokenize, engine.model, tokens)})
+
+
+def _detokenize(model, tokens: list[int]) -> str:
+    if any(t >= model.n_vocab for t in tokens):
+        raise APIError(400, f"token ids must be below {model.n_vocab}", param="tokens")
     # Special tokens as text, as /tokenize parses them (and as llama-server renders them).
-    return JSONResponse({"content": engine.model.detokenize(tokens, special=True)})
+    return model.detokenize(tokens, special=True)
 
 
 async def health(request: Request, state: AppState) -> Response:

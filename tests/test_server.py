@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from cllm.chat_template import ChatTemplate
-from http_checks import assert_error, metrics, post_stream, sse_payloads, wait_for_metric
+from http_checks import (StreamGaps, assert_error, metrics, post_stream, sse_payloads,
+                         wait_for_metric)
 from server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
@@ -749,6 +750,25 @@ def test_tokenize_detokenize_round_trip(http):
     special = http.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"]
     assert len(special) == 1
     assert http.post("/detokenize", json={"tokens": []}).json() == {"content": ""}
+
+
+def test_heavy_requests_do_not_stall_streams(server):
+    """Tokenizing megabytes and detokenizing a million ids take seconds: other requests' tokens
+    keep flowing meanwhile."""
+    text = "The sea, the sea. " * (3_900_000 // 18)  # under the 4 MiB body limit
+    heavy = [("/tokenize", {"content": text}), ("/tokenize", {"content": text}),
+             ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+             ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+             ("/detokenize", {"tokens": [9] * 1_000_000})]  # 3 bytes an id
+    results: dict = {}
+    with StreamGaps(server.url) as gaps:
+        threads = [_request_in_thread(server.url, path, body, results, i)
+                   for i, (path, body) in enumerate(heavy)]
+        for t in threads:
+            t.join(120)
+        assert gaps.largest() < 2.0
+    statuses = [results[i][0] for i in range(len(heavy))]
+    assert statuses == [200, 200, 400, 400, 200], statuses  # the prompts overflow the context
 
 
 METRIC_NAMES = [
