@@ -96,7 +96,19 @@ class AppState:
 
 # ---- plumbing shared by the routes ----
 
-async def read_json(request: Request, limit: int) -> dict:
+async def read_json(request: Request, config: ServerConfig) -> dict:
+    """The body as a JSON object, read within config.client_timeout: a client that stalls
+    mid-body gets a 408 and its connection closed rather than holding it."""
+    try:
+        raw = await asyncio.wait_for(_read_body(request, config.max_body_bytes),
+                                     config.client_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {config.client_timeout:g} s",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+    return api.parse_json_body(raw, config.max_body_bytes)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
@@ -105,7 +117,7 @@ async def read_json(request: Request, limit: int) -> dict:
         raw += chunk
         if len(raw) > limit:
             raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
-    return api.parse_json_body(bytes(raw), limit)
+    return bytes(raw)
 
 
 async def tokenize_text(engine: Engine, text: str, *, add_special: bool) -> list[int]:
@@ -216,7 +228,7 @@ def guarded(handler, error_body=APIError.body):
 # ---- routes ----
 
 async def completions(request: Request, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
+    body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
@@ -227,7 +239,7 @@ async def completions(request: Request, state: AppState) -> Response:
 
 
 async def chat_completions(request: Request, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
+    body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
     text = await state.renderer.render(req.messages)
@@ -240,7 +252,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
 
 
 async def generate(request: Request, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
+    body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
     prompt = await tokenize_text(engine, req.prompt, add_special=True)
@@ -258,13 +270,13 @@ async def models(request: Request, state: AppState) -> Response:
 
 
 async def tokenize(request: Request, state: AppState) -> Response:
-    content, add_special = api.parse_tokenize(await read_json(request, state.config.max_body_bytes))
+    content, add_special = api.parse_tokenize(await read_json(request, state.config))
     engine = state.require_engine()
     return JSONResponse({"tokens": await tokenize_text(engine, content, add_special=add_special)})
 
 
 async def detokenize(request: Request, state: AppState) -> Response:
-    tokens = api.parse_detokenize(await read_json(request, state.config.max_body_bytes))
+    tokens = api.parse_detokenize(await read_json(request, state.config))
     engine = state.require_engine()
     # A million ids take a while: off the event loop, which serves the other requests meanwhile.
     return JSONResponse({"content": await asyncio.to_thread(_detokenize, engine.model, tokens)})

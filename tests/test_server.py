@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
+import socket
 import subprocess
 import sys
 import threading
@@ -515,6 +517,40 @@ def test_queue_full_is_429_with_retry_after():
         assert queued["r"].status_code == 200, queued["r"].text
         assert queued["r"].json()["usage"]["completion_tokens"] == 3
         assert metrics(http)['cllm_request_failure_total{code="429"}'] == 4
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    out = b""
+    while chunk := sock.recv(4096):
+        out += chunk
+    return out
+
+
+def test_slow_clients_are_cut_off():
+    """Connections that stall mid-headers or mid-body are closed after --client-timeout; the
+    server answers others meanwhile."""
+    n = min(500, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 - 50)
+    with ServerProcess("--client-timeout", "1") as srv:
+        stalled = []
+        try:
+            for _ in range(n):
+                stalled.append(socket.create_connection(("127.0.0.1", srv.port)))
+                stalled[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConte")
+            body = socket.create_connection(("127.0.0.1", srv.port))
+            stalled.append(body)
+            body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+            for sock in stalled[:-1]:
+                assert _read_until_closed(sock, timeout=30) == b""
+            reply = _read_until_closed(body, timeout=30)
+            assert reply.startswith(b"HTTP/1.1 408 "), reply
+            assert b'"code":"body_timeout"' in reply
+        finally:
+            for sock in stalled:
+                sock.close()
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
 
 
 # ---- health, loading, shutdown ----
