@@ -27,6 +27,7 @@ from cllm.engine import Delta, Engine, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
 from cllm.generation import Generation, SequenceFailure, failure
 from cllm.metrics import CONTENT_TYPE, Metrics
+from cllm.responses import Token, token_name
 from cllm.sequence import FINISH_ABORT
 
 log = logging.getLogger("cllm.server")
@@ -77,8 +78,14 @@ class AppState:
             raise APIError(503, message, type="server_error", code="model_not_ready")
         return self.engine
 
-    def piece(self, token: int) -> str:
-        return self.engine.model.token_to_piece(token).decode("utf-8", "replace")
+    def token(self, token: int) -> Token:
+        """A token as logprobs show it: the bytes it adds to the text, named by them; a control
+        token, which adds none, by its own name ("<|im_end|>"), so names stay distinct."""
+        model = self.engine.model
+        raw = model.token_to_piece(token)
+        if raw:
+            return Token(token_name(raw), raw)
+        return Token(model.token_to_piece(token, True).decode("utf-8", "replace"), None)
 
     def sequence_ended(self, delta: Delta) -> None:
         """Every sequence's final delta, whether or not its client is still reading. An abort is
@@ -202,7 +209,7 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
 def _new_format(cls, request: Request, prefix: str, sampling: SamplingParams) -> Format:
     state: AppState = request.app.state.cllm
     return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
-               state.piece, sampling.logprobs is not None)
+               state.token, sampling.logprobs is not None)
 
 
 def guarded(handler, error_body=APIError.body):

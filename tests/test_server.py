@@ -214,6 +214,51 @@ def test_chat_logprobs(client):
     assert plain.choices[0].logprobs is None
 
 
+# Greedy replies of characters of several bytes, which tokens split.
+EMOJI_CHAT = [{"role": "user", "content": "Send party emojis"},
+              {"role": "assistant", "content": "🎉🎉🎉🎉🎉🎉"}, {"role": "user", "content": "More!"}]
+CJK_CHAT = [{"role": "user", "content": "Say hello in Japanese"},
+            {"role": "assistant", "content": "こんにちは、こんにちは、こんにちは"},
+            {"role": "user", "content": "Again"}]
+EMOJI_PROMPT = "🙂🎉🙂🎉🙂🎉🙂🎉🙂🎉"
+CJK_PROMPT = "日本語: こんにちは、こんにちは、こんにちは、"
+
+
+@pytest.mark.parametrize("messages", [EMOJI_CHAT, CJK_CHAT], ids=["emoji", "cjk"])
+def test_chat_logprobs_bytes_make_up_the_reply(http, messages):
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12,
+                                                "temperature": 0, "logprobs": True,
+                                                "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    content = choice["message"]["content"]
+    assert any(ord(c) > 0x3000 for c in content), content  # the reply has such characters
+    entries = choice["logprobs"]["content"]
+    raw = b"".join(bytes(e["bytes"] or b"") for e in entries)
+    assert raw.decode("utf-8", "replace") == content
+    for e in entries:
+        assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the same name
+        assert e["top_logprobs"][0]["bytes"] == e["bytes"]
+
+
+@pytest.mark.parametrize("prompt", [EMOJI_PROMPT, CJK_PROMPT], ids=["emoji", "cjk"])
+def test_completion_logprobs_of_multibyte_text(http, prompt):
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3,
+            "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = whole["logprobs"]
+    assert any(ord(c) > 0x3000 for c in whole["text"]), whole["text"]
+    # Tokens that are parts of one character have distinct names: none is lost from a top list.
+    assert all(len(top) == 3 for top in lp["top_logprobs"]), lp["top_logprobs"]
+    assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"]))
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(whole["text"])
+    # Streamed, the offsets go on from chunk to chunk.
+    response, raw = post_stream(http, "/v1/completions", {**body, "stream": True})
+    streamed = [c for e in sse_payloads(raw) for c in e["choices"]]
+    assert [o for c in streamed if c["logprobs"] for o in c["logprobs"]["text_offset"]] == offsets
+
+
 def test_seed_reproduces_sampling(client):
     def sample(seed, chat=False):
         if chat:
