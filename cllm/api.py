@@ -187,6 +187,14 @@ def _stream(body: dict) -> tuple[bool, bool]:
 
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__slots__)
+# Below this, logits / temperature overflow a C float and the softmax is NaN: such a
+# temperature means "the most likely token", which is greedy sampling (0).
+MIN_TEMPERATURE = 1e-6
+
+
+def _temperature(body: dict) -> float:
+    value = _field(body, "temperature", "a number", 1.0)
+    return 0.0 if 0.0 < value < MIN_TEMPERATURE else value
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -194,7 +202,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_field(body, "temperature", "a number", 1.0),
+            temperature=_temperature(body),
             top_p=_field(body, "top_p", "a number", 1.0),
             top_k=_field(body, "top_k", "an integer", 0),
             min_p=_field(body, "min_p", "a number", 0.0),

@@ -115,6 +115,14 @@ def test_completion_nulls_mean_defaults():
     assert req == completion()
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 9.9e-7])
+def test_temperatures_too_small_for_a_float_mean_greedy(temperature):
+    """Below 1e-6, logits / temperature overflow a C float (NaN probabilities): greedy."""
+    assert completion(temperature=temperature).sampling.temperature == 0.0
+    assert chat(temperature=temperature).sampling.temperature == 0.0
+    assert completion(temperature=1e-6).sampling.temperature == 1e-6
+
+
 def test_completion_stop_as_one_string():
     assert completion(stop="###").sampling.stop == ("###",)
 

@@ -276,6 +276,12 @@ def test_seed_reproduces_sampling(client):
     assert sample(99, chat=True) == sample(99, chat=True)
 
 
+def test_tiny_temperature_is_greedy(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**args, temperature=0).choices[0].text
+    assert client.completions.create(**args, temperature=1e-40).choices[0].text == greedy
+
+
 def test_openai_client_raises_on_a_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
