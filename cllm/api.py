@@ -220,6 +220,19 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
         raise _invalid(next((w for w in words if w in _SAMPLING_FIELDS), None), str(e)) from None
 
 
+# Fields that change the output but are not implemented yet: refused, never silently ignored.
+# Each maps to the values that ask for nothing (null, absent, and these), which are accepted.
+_NOT_IMPLEMENTED = {"response_format": ({"type": "text"},), "tools": ([],),
+                    "tool_choice": ("none",), "logit_bias": ({},)}
+
+
+def _refuse_unimplemented(body: dict) -> None:
+    for name, harmless in _NOT_IMPLEMENTED.items():
+        value = body.get(name)
+        if value is not None and value not in harmless:
+            raise _invalid(name, f"{name} is not supported yet")
+
+
 # ---- endpoints ----
 
 def _is_token(value: object) -> bool:
@@ -242,6 +255,7 @@ def _prompt(value: object) -> str | list[int]:
 
 def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
     prompt = _prompt(body.get("prompt"))
+    _refuse_unimplemented(body)
     echo = _field(body, "echo", "a boolean", False)
     if echo:
         raise _invalid("echo", "echo is not supported")
@@ -294,6 +308,7 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     """Without max_tokens (or max_completion_tokens, its newer name) a reply may run until the
     context is full: max_tokens_limit."""
     messages = _messages(body.get("messages"))
+    _refuse_unimplemented(body)
     max_tokens = _count(body, "max_completion_tokens", 1, max_tokens_limit, None)
     if max_tokens is None:
         max_tokens = _count(body, "max_tokens", 1, max_tokens_limit, max_tokens_limit)

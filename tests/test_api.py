@@ -174,6 +174,31 @@ def test_completion_field_rejections(field, value):
     rejects(lambda: completion(**{field: value}), field)
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
+    ("response_format", "text"), ("tools", [TOOL]), ("tool_choice", "auto"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("logit_bias", {"50256": -100}),
+])
+def test_fields_that_would_change_the_output_are_refused_until_implemented(field, value):
+    for parse in (completion, chat):
+        err = rejects(lambda: parse(**{field: value}), field)
+        assert "not supported" in err.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "text"}), ("response_format", None), ("tools", []),
+    ("tools", None), ("tool_choice", "none"), ("tool_choice", None), ("logit_bias", {}),
+    ("logit_bias", None),
+])
+def test_those_fields_asking_for_nothing_are_accepted(field, value):
+    assert completion(**{field: value}) == completion()
+    assert chat(**{field: value}) == chat()
+
+
 def test_include_usage_must_be_boolean():
     rejects(lambda: completion(stream=True, stream_options={"include_usage": "yes"}),
             "include_usage")

@@ -431,6 +431,11 @@ BAD_REQUESTS = [
                              b'"top_logprobs": 2}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
                              b'"stream": true, "temperature": 1000}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                             b'"response_format": {"type": "json_object"}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                             b'"tools": [{"type": "function", "function": {"name": "f"}}]}'),
+    ("/v1/completions", b'{"prompt": "Hi", "logit_bias": {"1": 100}}'),
     ("/tokenize", b'{"content": 5}'),
     ("/tokenize", b"{}"),
     ("/detokenize", b'{"tokens": "Hi"}'),
