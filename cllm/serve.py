@@ -9,8 +9,12 @@ import logging
 import os
 import signal
 import sys
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
