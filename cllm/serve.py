@@ -42,7 +42,9 @@ OPTIONS = {
     "threads": (int, _ENGINE.n_threads, "CPU threads (0: all cores)"),
     "n_gpu_layers": (int, _ENGINE.n_gpu_layers, "layers offloaded to the GPU (-1: all)"),
     "flash_attn": (str, _ENGINE.flash_attn, "flash attention: on, off or auto"),
-    "api_key": (str, _SERVER.api_key, "require 'Authorization: Bearer KEY' (all but /health)"),
+    "api_key": (str, _SERVER.api_key, "require 'Authorization: Bearer KEY' (all but /health); "
+                "a flag is visible to local users, so prefer CLLM_API_KEY or --api-key-file"),
+    "api_key_file": (str, None, "read the API key from this file"),
     "request_timeout": (float, _ENGINE.request_timeout, "seconds a request may take in all"),
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
     "decode_steps": (int, _ENGINE.decode_steps,
@@ -102,12 +104,29 @@ def build_config(options: dict) -> ServerConfig:
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"],
         request_timeout=options["request_timeout"])
-    return ServerConfig(host=options["host"], port=options["port"], api_key=options["api_key"],
+    return ServerConfig(host=options["host"], port=options["port"], api_key=_api_key(options),
                         max_body_bytes=options["max_body_bytes"],
                         shutdown_grace=options["shutdown_grace"],
                         template_timeout=options["template_timeout"],
                         client_timeout=options["client_timeout"],
                         max_connections=options["max_connections"], engine=engine)
+
+
+def _api_key(options: dict) -> str | None:
+    """--api-key, or the contents of --api-key-file: a key in the command line can be read by
+    every local user (/proc/*/cmdline), one in a file or in CLLM_API_KEY cannot."""
+    path = options["api_key_file"]
+    if path is None:
+        return options["api_key"]
+    if options["api_key"] is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    if not key:
+        raise ValueError(f"the API key file {path} is empty")
+    return key
 
 
 def main(argv: list[str] | None = None) -> int:

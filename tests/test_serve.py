@@ -4,6 +4,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from packaging.requirements import Requirement  # pytest's own dependency
 
@@ -69,3 +70,30 @@ def test_config_file_is_read_with_tomli_before_python_3_11(tmp_path, monkeypatch
     toml = tmp_path / "cllm.toml"
     toml.write_text("parallel = 6\n")
     assert serve_on_310.parse_args(["--config", str(toml)])["parallel"] == 6
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CLLM_API_KEY", "from-env")
+    assert serve.build_config(serve.parse_args([])).api_key == "from-env"
+
+
+def test_api_key_from_a_file_stays_out_of_the_process_list(tmp_path):
+    key = "file-key-0123456789"
+    path = tmp_path / "key"
+    path.write_text(key + "\n")
+    with ServerProcess("--api-key-file", str(path)) as srv:
+        cmdline = Path(f"/proc/{srv.proc.pid}/cmdline").read_bytes()
+        assert key.encode() not in cmdline
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        r = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--api-key-file", "/nonexistent/key"], "cannot read the API key file"),
+    (["--api-key", "k", "--api-key-file", "/dev/null"], "not both"),
+    (["--api-key-file", "/dev/null"], "is empty"),
+])
+def test_bad_api_key_files_exit_2(argv, reason, capsys):
+    assert serve.main(argv) == 2
+    assert reason in capsys.readouterr().err
