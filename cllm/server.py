@@ -224,11 +224,13 @@ def guarded(handler, error_body=APIError.body):
             return error_response(error, error_body)
         except ClientGone:
             return Response(status_code=499)
-        except Exception as exc:  # a real fault: say so, keep serving
+        except Exception:  # a real fault: say so, keep serving
+            # Its details (paths, values) are for the log, not for the client.
             log.exception("internal error in %s", request.url.path)
             state.metrics.record_outcome(None, 500)
-            return error_response(APIError(500, f"internal error: {exc!r}", type="server_error",
-                                           code="internal_error"), error_body)
+            return error_response(APIError(500, "internal server error (see the server log)",
+                                           type="server_error", code="internal_error"),
+                                  error_body)
     return route
 
 

@@ -18,7 +18,13 @@ import httpx
 import openai
 import pytest
 
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
 from cllm.chat_template import ChatTemplate
+from cllm.config import ServerConfig
+from cllm.server import AppState, guarded
 from http_checks import (StreamGaps, assert_error, metrics, post_stream, sse_payloads,
                          wait_for_metric)
 from server_process import ServerProcess
@@ -448,6 +454,20 @@ BAD_REQUESTS = [
 def test_bad_request(http, path, body):
     r = http.post(path, content=body, headers={"content-type": "application/json"})
     assert_error(r, 400, type_="invalid_request_error")
+
+
+def test_internal_errors_do_not_leak_their_details(caplog):
+    """A fault's details (paths, values) go to the log, not to the client."""
+    async def faulty(request, state):
+        raise RuntimeError("secret detail in /home/someone/model.gguf")
+
+    app = Starlette(routes=[Route("/faulty", guarded(faulty), methods=["GET"])])
+    app.state.cllm = AppState(ServerConfig(), MODEL)
+    with TestClient(app) as test_client:
+        r = test_client.get("/faulty")
+    assert_error(r, 500, type_="server_error", code="internal_error")
+    assert "secret" not in r.text and "RuntimeError" not in r.text
+    assert "secret detail" in caplog.text
 
 
 @pytest.mark.parametrize("method,path,status", [
