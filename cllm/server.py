@@ -307,6 +307,11 @@ async def metrics(request: Request, state: AppState) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def _error_shape(path: str):
+    """The error body of a route: /generate keeps the original API's."""
+    return GenerateFormat.error_body_of if path == "/generate" else APIError.body
+
+
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every route but /health, compared in constant time."""
 
@@ -320,11 +325,41 @@ class APIKeyMiddleware:
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "missing or wrong API key", type="authentication_error",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                shape = (GenerateFormat.error_body_of if scope["path"] == "/generate"
-                         else APIError.body)
-                await error_response(error, shape)(scope, receive, send)
+                await error_response(error, _error_shape(scope["path"]))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+WILDCARD_ADDRESSES = frozenset({"", "0.0.0.0", "::"})
+
+
+class HostCheckMiddleware:
+    """For a server with no API key: only requests whose Host names the bound address or a
+    loopback name are served. Otherwise a web page could reach it by DNS rebinding: its own
+    name, resolved to 127.0.0.1, arrives as the Host."""
+
+    def __init__(self, app, bound_host: str) -> None:
+        self.app = app
+        self.allowed = LOOPBACK_NAMES | {_host_name(bound_host)}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and _host_name(
+                dict(scope["headers"]).get(b"host", b"").decode("latin-1")) not in self.allowed:
+            error = APIError(400, "the Host header names neither this server's address nor "
+                             "localhost (set an API key to serve other names)", code="invalid_host")
+            await error_response(error, _error_shape(scope["path"]))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """A Host header's (or a bound address's) name, lowercased, without the port: IPv6
+    addresses in brackets."""
+    host = host.lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1]
+    return f"[{host}]" if host.count(":") > 1 else host.partition(":")[0]
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -356,6 +391,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
     ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    elif config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
+        app.add_middleware(HostCheckMiddleware, bound_host=config.host)
     return app
 
 

@@ -78,6 +78,12 @@ def test_near_miss_keys_are_refused(server, method, path, body):
         assert r.status_code == 200, r.text
 
 
+def test_with_an_api_key_any_host_header_is_served(http):
+    """The key, not the Host header, guards a server that has one (it may sit behind a proxy or
+    a DNS name of its own)."""
+    assert http.get("/v1/models", headers={"Host": "cllm.example:443"}).status_code == 200
+
+
 def test_health_needs_no_key_but_nothing_else_hides_behind_it(server):
     with httpx.Client(base_url=server.url, timeout=60) as raw:
         assert raw.get("/health").status_code == 200

@@ -563,6 +563,18 @@ def test_api_key():
             assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
 
 
+def test_foreign_host_header_is_refused_without_an_api_key(server, http):
+    """DNS rebinding: a web page's own name, resolved to 127.0.0.1, reaches the server with
+    that name as Host. Without an API key only loopback names and the bound address pass."""
+    for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhostx"):
+        assert_error(http.get("/v1/models", headers={"Host": host}), 400, code="invalid_host")
+    r = http.post("/generate", json={"prompt": "Hi"}, headers={"Host": "evil.example"})
+    assert_error(r, 400, generate=True, code="invalid_host")
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "LOCALHOST",
+                 f"[::1]:{server.port}"):
+        assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
+
+
 def test_queue_full_is_429_with_retry_after():
     """One sequence at a time and one waiting: with one running and one queued, the next
     request is refused at once."""
