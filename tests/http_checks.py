@@ -78,12 +78,13 @@ def wait_for_metric(url: str, name: str, predicate, timeout: float = 10.0) -> fl
 class StreamGaps:
     """A long streamed completion, read in a thread while the test does something else: its
     largest gap between reads says how long the server stopped serving it. Use as a context
-    manager; entering waits for the stream's first event."""
+    manager; entering waits for the stream's first event, leaving for the server to be idle
+    again (the stream aborted), so later tests count only their own tokens."""
 
-    def __init__(self, url: str, *, max_tokens: int = 1500, headers: dict | None = None) -> None:
+    def __init__(self, url: str, *, max_tokens: int = 1500) -> None:
         self._body = {"prompt": "Once upon a time", "max_tokens": max_tokens,
                       "ignore_eos": True, "stream": True}
-        self._url, self._headers = url, headers or {}
+        self._url = url
         self._times: list[float] = []
         self._started, self._stop = threading.Event(), threading.Event()
         self._ended = False
@@ -97,10 +98,11 @@ class StreamGaps:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(60)
+        assert wait_for_metric(self._url, "cllm_requests_running", lambda v: v == 0) == 0
 
     def _read(self) -> None:
         with httpx.stream("POST", self._url + "/v1/completions", json=self._body,
-                          headers=self._headers, timeout=120) as r:
+                          timeout=120) as r:
             for _ in r.iter_raw():
                 self._times.append(time.monotonic())
                 self._started.set()
