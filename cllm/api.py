@@ -1,4 +1,4 @@
-"""Request schemas for the HTTP API: JSON bodies checked into dataclasses, and chat templates.
+"""Request schemas for the HTTP API: JSON bodies checked into dataclasses.
 
 Every problem with a request becomes an APIError naming the field, never another exception, so
 the server can answer 400 (or 413) with an OpenAI-shaped body. Unknown fields are ignored: OpenAI
@@ -7,25 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
-from datetime import datetime
-
-import jinja2
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cllm.config import MAX_TOP_LOGPROBS, SamplingParams
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID = (1 << 31) - 1  # llama_token is int32
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions and /generate
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 class APIError(Exception):
@@ -112,7 +101,33 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+        raise APIError(400, "request body is not valid Unicode: a string holds a lone surrogate "
+                            "(a \\uD800-\\uDFFF escape that is not half of a pair)")
     return body
+
+
+# Only a \uD800-\uDFFF escape can put a surrogate in a string: UTF-8 cannot encode one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether a string in the parsed body (keys too) has a surrogate without its pair: such text
+    has no UTF-8 form, so the tokenizer cannot take it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return False
 
 
 def _json_type(value: object) -> str:
@@ -175,6 +190,14 @@ def _stream(body: dict) -> tuple[bool, bool]:
 
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__slots__)
+# Below this, logits / temperature overflow a C float and the softmax is NaN: such a
+# temperature means "the most likely token", which is greedy sampling (0).
+MIN_TEMPERATURE = 1e-6
+
+
+def _temperature(body: dict) -> float:
+    value = _field(body, "temperature", "a number", 1.0)
+    return 0.0 if 0.0 < value < MIN_TEMPERATURE else value
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -182,7 +205,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_field(body, "temperature", "a number", 1.0),
+            temperature=_temperature(body),
             top_p=_field(body, "top_p", "a number", 1.0),
             top_k=_field(body, "top_k", "an integer", 0),
             min_p=_field(body, "min_p", "a number", 0.0),
@@ -203,6 +226,19 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
 def _cache_prompt(body: dict) -> bool:
     """llama-server's per-request switch: false computes the whole prompt, cached or not."""
     return _field(body, "cache_prompt", "a boolean", True)
+
+
+# Fields that change the output but are not implemented yet: refused, never silently ignored.
+# Each maps to the values that ask for nothing (null, absent, and these), which are accepted.
+_NOT_IMPLEMENTED = {"response_format": ({"type": "text"},), "tools": ([],),
+                    "tool_choice": ("none",), "logit_bias": ({},)}
+
+
+def _refuse_unimplemented(body: dict) -> None:
+    for name, harmless in _NOT_IMPLEMENTED.items():
+        value = body.get(name)
+        if value is not None and value not in harmless:
+            raise _invalid(name, f"{name} is not supported yet")
 
 
 # ---- endpoints ----
@@ -227,6 +263,7 @@ def _prompt(value: object) -> str | list[int]:
 
 def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
     prompt = _prompt(body.get("prompt"))
+    _refuse_unimplemented(body)
     echo = _field(body, "echo", "a boolean", False)
     if echo:
         raise _invalid("echo", "echo is not supported")
@@ -280,6 +317,7 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     """Without max_tokens (or max_completion_tokens, its newer name) a reply may run until the
     context is full: max_tokens_limit."""
     messages = _messages(body.get("messages"))
+    _refuse_unimplemented(body)
     max_tokens = _count(body, "max_completion_tokens", 1, max_tokens_limit, None)
     if max_tokens is None:
         max_tokens = _count(body, "max_tokens", 1, max_tokens_limit, max_tokens_limit)
@@ -323,58 +361,3 @@ def parse_detokenize(body: dict) -> list[int]:
     if not isinstance(tokens, list) or not all(_is_token(t) for t in tokens):
         raise _invalid("tokens", f"tokens must be an array of integers from 0 to {MAX_TOKEN_ID}")
     return tokens
-
-
-# ---- chat templates ----
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """Jinja's sandbox turns an unsafe attribute (``''.__class__``) into an undefined value that
-    prints as nothing; fail at once instead, so probing a template is an error, not silence."""
-
-    def unsafe_undefined(self, obj, attribute):
-        raise SecurityError(f"access to attribute {attribute!r} of a "
-                            f"{type(obj).__name__!r} object is unsafe")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)  # Hugging Face's convention for template-side checks
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes <, >, & and ' for HTML; prompts need the plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-# Everything a template can fail with at render time; none of it is a server bug.
-_RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError,
-                  AttributeError, RecursionError)
-
-
-class ChatTemplate:
-    """A GGUF chat template (Jinja source) compiled once in a sandboxed environment.
-    With no source, ChatML. A template that does not compile raises ValueError."""
-
-    def __init__(self, source: str | None, *, bos_token: str, eos_token: str) -> None:
-        env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
-                       extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-        try:
-            self._template = env.from_string(CHATML_TEMPLATE if source is None else source)
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"invalid chat template (line {e.lineno}): {e.message}") from None
-        self._bos_token = bos_token
-        self._eos_token = eos_token
-
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token, eos_token=self._eos_token)
-        except _RENDER_ERRORS as e:
-            raise APIError(400, f"chat template error: {e}") from None

@@ -99,5 +99,13 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16  # completions per request ("n")
     shutdown_grace: float = 30.0
+    template_timeout: float = 10.0  # seconds a chat template may take to render a prompt
+    client_timeout: float = 30.0  # seconds a client may take to send a request's headers, or body
+    max_connections: int = 1000  # open connections (and requests) before uvicorn answers 503
     log_requests: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("template_timeout", "client_timeout", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")

@@ -1,12 +1,14 @@
 """How each API (completions, chat, /generate) turns engine deltas into response bodies."""
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cllm import responses
 from cllm.api import APIError
 from cllm.engine import Delta, TokenLogprob
+from cllm.responses import Token
 
 
 @dataclass(slots=True)
@@ -37,16 +39,30 @@ def usage(choices: list[Choice]) -> dict:
                                 choices[0].cached_tokens)
 
 
+class TextOffsets:
+    """Where each token starts in its choice's text, in characters, counted across chunks: the
+    text is the tokens' bytes decoded as the engine decodes them."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def next(self, token: Token) -> int:
+        at = self._chars
+        self._chars += len(self._decoder.decode(token.raw or b""))
+        return at
+
+
 class Format:
-    """Shared shape of the OpenAI formats; `piece` renders a token id as text."""
+    """Shared shape of the OpenAI formats; `token` shows a token id as logprobs name it."""
     chat = False  # chunk objects are chat.completion.chunk rather than text_completion
 
-    def __init__(self, request_id: str, model: str, created: int, piece: Callable[[int], str],
+    def __init__(self, request_id: str, model: str, created: int, token: Callable[[int], Token],
                  want_logprobs: bool) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
-        self.piece = piece
+        self.token = token
         self.want_logprobs = want_logprobs
 
     def error_body(self, error: APIError) -> dict:
@@ -64,29 +80,32 @@ class Format:
 
 
 class CompletionFormat(Format):
-    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict | None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._offsets: dict[int, TextOffsets] = {}  # streamed: each choice's, chunk after chunk
+
+    def _logprobs(self, entries: list[TokenLogprob], offsets: TextOffsets) -> dict | None:
         if not self.want_logprobs:
             return None
-        tokens = [self.piece(e.token_id) for e in entries]
-        offsets, pos = [], offset
-        for token in tokens:
-            offsets.append(pos)
-            pos += len(token)
+        tokens = [self.token(e.token_id) for e in entries]
         return responses.completion_logprobs(
-            tokens, [e.logprob for e in entries],
-            [{self.piece(t): lp for t, lp in e.top} for e in entries], offsets)
+            [t.text for t in tokens], [e.logprob for e in entries],
+            [{self.token(t).text: lp for t, lp in e.top} for e in entries],
+            [offsets.next(t) for t in tokens])
 
     def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return []  # a token that only started a multi-byte character or a stop string
+        offsets = self._offsets.setdefault(index, TextOffsets())
         return [responses.completion_chunk(
             self.request_id, self.model, self.created, index, delta.text, delta.finish_reason,
-            self._logprobs(delta.logprobs or [], 0))]
+            self._logprobs(delta.logprobs or [], offsets))]
 
     def response(self, choices: list[Choice]) -> dict:
         return responses.completion_response(
             self.request_id, self.model, self.created,
-            [responses.completion_choice(i, c.text, c.finish_reason, self._logprobs(c.logprobs, 0))
+            [responses.completion_choice(i, c.text, c.finish_reason,
+                                         self._logprobs(c.logprobs, TextOffsets()))
              for i, c in enumerate(choices)], usage(choices))
 
 
@@ -97,7 +116,7 @@ class ChatFormat(Format):
         if not self.want_logprobs:
             return None
         return responses.chat_logprobs(
-            [(self.piece(e.token_id), e.logprob, [(self.piece(t), lp) for t, lp in e.top])
+            [(self.token(e.token_id), e.logprob, [(self.token(t), lp) for t, lp in e.top])
              for e in entries])
 
     def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:

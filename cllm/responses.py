@@ -5,6 +5,7 @@ Shapes follow OpenAI's completions and chat completions (streamed or not) and th
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from cllm.api import APIError
 
@@ -14,6 +15,23 @@ MIN_LOGPROB = -9999.0
 
 def _logprob(value: float) -> float:
     return value if value > MIN_LOGPROB else MIN_LOGPROB  # NaN > x is False: NaN maps too
+
+
+class Token(NamedTuple):
+    """A token as logprobs show it: its name, and the bytes it adds to the text (None for a
+    control token, which adds none)."""
+    text: str
+    raw: bytes | None
+
+
+def token_name(raw: bytes) -> str:
+    """A token's bytes as text. A token may hold part of a character: then, as OpenAI writes
+    it, 'bytes:' and the bytes escaped, so that no two tokens share a name (U+FFFD for each
+    would)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -53,11 +71,12 @@ def completion_chunk(request_id: str, model: str, created: int, index: int, text
 
 # ---- /v1/chat/completions ----
 
-def _token_logprob(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
+def _token_logprob(token: Token, logprob: float) -> dict:
+    return {"token": token.text, "logprob": _logprob(logprob),
+            "bytes": None if token.raw is None else list(token.raw)}
 
 
-def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
+def chat_logprobs(entries: list[tuple[Token, float, list[tuple[Token, float]]]]) -> dict:
     """entries: (token, logprob, [(top token, top logprob), ...]) per generated token."""
     return {"content": [{**_token_logprob(token, lp),
                          "top_logprobs": [_token_logprob(t, tlp) for t, tlp in top]}

@@ -9,10 +9,15 @@ import logging
 import os
 import signal
 import sys
-import tomllib
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
+
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cllm.config import EngineConfig, ServerConfig
 from cllm.models import resolve_model
@@ -40,13 +45,21 @@ OPTIONS = {
     "threads": (int, _ENGINE.n_threads, "CPU threads (0: all cores)"),
     "n_gpu_layers": (int, _ENGINE.n_gpu_layers, "layers offloaded to the GPU (-1: all)"),
     "flash_attn": (str, _ENGINE.flash_attn, "flash attention: on, off or auto"),
-    "api_key": (str, _SERVER.api_key, "require 'Authorization: Bearer KEY' (all but /health)"),
+    "api_key": (str, _SERVER.api_key, "require 'Authorization: Bearer KEY' (all but /health); "
+                "a flag is visible to local users, so prefer CLLM_API_KEY or --api-key-file"),
+    "api_key_file": (str, None, "read the API key from this file"),
     "request_timeout": (float, _ENGINE.request_timeout, "seconds a request may take in all"),
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
     "decode_steps": (int, _ENGINE.decode_steps,
                      "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
     "max_body_bytes": (int, _SERVER.max_body_bytes, "largest request body (413 above)"),
     "shutdown_grace": (float, _SERVER.shutdown_grace, "seconds in-flight requests get on SIGTERM"),
+    "template_timeout": (float, _SERVER.template_timeout,
+                         "seconds the chat template may take to render a prompt (400 past it)"),
+    "client_timeout": (float, _SERVER.client_timeout,
+                       "seconds a client may take to send a request's headers, and its body"),
+    "max_connections": (int, _SERVER.max_connections,
+                        "open connections before new requests get 503 (keep under `ulimit -n`)"),
     "log_level": (str, "info", "debug, info, warning or error"),
 }
 
@@ -95,9 +108,29 @@ def build_config(options: dict) -> ServerConfig:
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"],
         request_timeout=options["request_timeout"])
-    return ServerConfig(host=options["host"], port=options["port"], api_key=options["api_key"],
+    return ServerConfig(host=options["host"], port=options["port"], api_key=_api_key(options),
                         max_body_bytes=options["max_body_bytes"],
-                        shutdown_grace=options["shutdown_grace"], engine=engine)
+                        shutdown_grace=options["shutdown_grace"],
+                        template_timeout=options["template_timeout"],
+                        client_timeout=options["client_timeout"],
+                        max_connections=options["max_connections"], engine=engine)
+
+
+def _api_key(options: dict) -> str | None:
+    """--api-key, or the contents of --api-key-file: a key in the command line can be read by
+    every local user (/proc/*/cmdline), one in a file or in CLLM_API_KEY cannot."""
+    path = options["api_key_file"]
+    if path is None:
+        return options["api_key"]
+    if options["api_key"] is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    if not key:
+        raise ValueError(f"the API key file {path} is empty")
+    return key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +194,43 @@ class _Server(uvicorn.Server):
                 await stopping[0]
 
 
+MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's default, made explicit)
+KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle connection stays open between requests
+
+
+def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's headers. uvicorn times out only
+    idle keep-alive connections, and any byte received stops that clock: a client that stalls
+    mid-headers (slowloris) would hold its connection, and a file descriptor, forever."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # for the next request's headers on this connection
+            super().on_response_complete()  # may start a pipelined request: handle_events
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:  # a request runs
+                self._deadline.cancel()
+
+        def connection_lost(self, exc) -> None:
+            self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(timeout, self.transport.close)
+
+    return HeaderDeadlineProtocol
+
+
 def serve(config: ServerConfig, model_path: Path) -> int:
     from cllm.engine import Engine  # loads llama.cpp: after the arguments are known good
     from cllm.server import create_app
@@ -177,6 +247,9 @@ def serve(config: ServerConfig, model_path: Path) -> int:
     # uvicorn's own deadline is a backstop: at shutdown_grace the requests get their 503s.
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, access_log=False, log_config=None,
+        http=header_deadline_protocol(config.client_timeout),
+        limit_concurrency=config.max_connections, timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_graceful_shutdown=config.shutdown_grace + 10), grace=config.shutdown_grace)
     server.run()
     return 1 if load_failures else 0

@@ -21,25 +21,27 @@ from starlette.routing import Route
 
 from cllm import api
 from cllm.api import APIError
+from cllm.chat_template import ChatTemplate, TemplateRenderer
 from cllm.config import SamplingParams, ServerConfig
 from cllm.engine import Delta, Engine, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
 from cllm.generation import Generation, SequenceFailure, failure
 from cllm.metrics import CONTENT_TYPE, Metrics
+from cllm.responses import Token, token_name
 from cllm.sequence import FINISH_ABORT
 
 log = logging.getLogger("cllm.server")
 
 
 class AppState:
-    """The engine (once loaded), the chat template and the metrics of one app."""
+    """The engine (once loaded), the chat template's renderer and the metrics of one app."""
 
     def __init__(self, config: ServerConfig, model_name: str) -> None:
         self.config = config
         self.model_name = model_name
         self.metrics = Metrics()
         self.engine: Engine | None = None
-        self.template: api.ChatTemplate | None = None
+        self.renderer: TemplateRenderer | None = None
         self.load_error: str | None = None
         self.stopping = False
 
@@ -48,12 +50,13 @@ class AppState:
         model = engine.model
         piece = lambda t: model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
         try:
-            self.template = api.ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
-                                             eos_token=piece(model.eos_token))
+            template = ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
+                                    eos_token=piece(model.eos_token))
         except ValueError as exc:
             log.warning("the model's chat template does not compile (%s); using ChatML", exc)
-            self.template = api.ChatTemplate(None, bos_token=piece(model.bos_token),
-                                             eos_token=piece(model.eos_token))
+            template = ChatTemplate(None, bos_token=piece(model.bos_token),
+                                    eos_token=piece(model.eos_token))
+        self.renderer = TemplateRenderer(template, timeout=self.config.template_timeout)
         self.metrics.watch(engine)
         self.engine = engine
 
@@ -61,6 +64,8 @@ class AppState:
         """Refuse new requests and end the running ones, each with a stated 503 (reason
         'shutdown'); idempotent."""
         self.stopping = True
+        if self.renderer is not None:
+            self.renderer.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 
@@ -73,8 +78,14 @@ class AppState:
             raise APIError(503, message, type="server_error", code="model_not_ready")
         return self.engine
 
-    def piece(self, token: int) -> str:
-        return self.engine.model.token_to_piece(token).decode("utf-8", "replace")
+    def token(self, token: int) -> Token:
+        """A token as logprobs show it: the bytes it adds to the text, named by them; a control
+        token, which adds none, by its own name ("<|im_end|>"), so names stay distinct."""
+        model = self.engine.model
+        raw = model.token_to_piece(token)
+        if raw:
+            return Token(token_name(raw), raw)
+        return Token(model.token_to_piece(token, True).decode("utf-8", "replace"), None)
 
     def sequence_ended(self, delta: Delta) -> None:
         """Every sequence's final delta, whether or not its client is still reading. An abort is
@@ -92,7 +103,19 @@ class AppState:
 
 # ---- plumbing shared by the routes ----
 
-async def read_json(request: Request, limit: int) -> dict:
+async def read_json(request: Request, config: ServerConfig) -> dict:
+    """The body as a JSON object, read within config.client_timeout: a client that stalls
+    mid-body gets a 408 and its connection closed rather than holding it."""
+    try:
+        raw = await asyncio.wait_for(_read_body(request, config.max_body_bytes),
+                                     config.client_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {config.client_timeout:g} s",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+    return api.parse_json_body(raw, config.max_body_bytes)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
@@ -101,7 +124,14 @@ async def read_json(request: Request, limit: int) -> dict:
         raw += chunk
         if len(raw) > limit:
             raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
-    return api.parse_json_body(bytes(raw), limit)
+    return bytes(raw)
+
+
+async def tokenize_text(engine: Engine, text: str, *, add_special: bool) -> list[int]:
+    """Special-token text parsed as such. Megabytes take a second: the tokenizer runs in a
+    thread, with the GIL released, while the event loop serves the other requests."""
+    return await asyncio.to_thread(engine.model.tokenize, text, add_special=add_special,
+                                   parse_special=True)
 
 
 class ClientGone(Exception):
@@ -154,6 +184,8 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     """Submit n sequences for one request and answer it, streamed or whole."""
     state: AppState = request.app.state.cllm
     engine = state.require_engine()
+    if not prompt:  # text such as "\x1d" can tokenize to nothing
+        raise APIError(400, "the prompt has no tokens", param="prompt")
     if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
         raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
     streams = []
@@ -177,7 +209,7 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
 def _new_format(cls, request: Request, prefix: str, sampling: SamplingParams) -> Format:
     state: AppState = request.app.state.cllm
     return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
-               state.piece, sampling.logprobs is not None)
+               state.token, sampling.logprobs is not None)
 
 
 def guarded(handler, error_body=APIError.body):
@@ -192,47 +224,49 @@ def guarded(handler, error_body=APIError.body):
             return error_response(error, error_body)
         except ClientGone:
             return Response(status_code=499)
-        except Exception as exc:  # a real fault: say so, keep serving
+        except Exception:  # a real fault: say so, keep serving
+            # Its details (paths, values) are for the log, not for the client.
             log.exception("internal error in %s", request.url.path)
             state.metrics.record_outcome(None, 500)
-            return error_response(APIError(500, f"internal error: {exc!r}", type="server_error",
-                                           code="internal_error"), error_body)
+            return error_response(APIError(500, "internal server error (see the server log)",
+                                           type="server_error", code="internal_error"),
+                                  error_body)
     return route
 
 
 # ---- routes ----
 
 async def completions(request: Request, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
+    body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
-    prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
-        req.prompt, add_special=True, parse_special=True)
+    prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
+        engine, req.prompt, add_special=True)
     fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
 
 async def chat_completions(request: Request, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
+    body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
-    text = state.template.render(req.messages)
-    # Templates that write the BOS token themselves must not get a second one.
-    bos = state.piece(engine.model.bos_token) if engine.model.adds_bos else None
-    prompt = engine.model.tokenize(text, add_special=not (bos and text.startswith(bos)),
-                                   parse_special=True)
+    text = await state.renderer.render(req.messages)
+    # Templates that write the BOS token themselves must not get a second one. The check is on
+    # the BOS token's text ("<bos>"): its piece without special=True is empty.
+    bos = state.renderer.template.bos_token if engine.model.adds_bos else None
+    prompt = await tokenize_text(engine, text, add_special=not (bos and text.startswith(bos)))
     fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
 
 async def generate(request: Request, state: AppState) -> Response:
-    body = await read_json(request, state.config.max_body_bytes)
+    body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
-    prompt = engine.model.tokenize(req.prompt, add_special=True, parse_special=True)
+    prompt = await tokenize_text(engine, req.prompt, add_special=True)
     fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
                          req.cache_prompt)
@@ -248,19 +282,23 @@ async def models(request: Request, state: AppState) -> Response:
 
 
 async def tokenize(request: Request, state: AppState) -> Response:
-    content, add_special = api.parse_tokenize(await read_json(request, state.config.max_body_bytes))
+    content, add_special = api.parse_tokenize(await read_json(request, state.config))
     engine = state.require_engine()
-    return JSONResponse({"tokens": engine.model.tokenize(content, add_special=add_special,
-                                                         parse_special=True)})
+    return JSONResponse({"tokens": await tokenize_text(engine, content, add_special=add_special)})
 
 
 async def detokenize(request: Request, state: AppState) -> Response:
-    tokens = api.parse_detokenize(await read_json(request, state.config.max_body_bytes))
+    tokens = api.parse_detokenize(await read_json(request, state.config))
     engine = state.require_engine()
-    if any(t >= engine.model.n_vocab for t in tokens):
-        raise APIError(400, f"token ids must be below {engine.model.n_vocab}", param="tokens")
+    # A million ids take a while: off the event loop, which serves the other requests meanwhile.
+    return JSONResponse({"content": await asyncio.to_thread(_detokenize, engine.model, tokens)})
+
+
+def _detokenize(model, tokens: list[int]) -> str:
+    if any(t >= model.n_vocab for t in tokens):
+        raise APIError(400, f"token ids must be below {model.n_vocab}", param="tokens")
     # Special tokens as text, as /tokenize parses them (and as llama-server renders them).
-    return JSONResponse({"content": engine.model.detokenize(tokens, special=True)})
+    return model.detokenize(tokens, special=True)
 
 
 async def health(request: Request, state: AppState) -> Response:
@@ -270,6 +308,11 @@ async def health(request: Request, state: AppState) -> Response:
 
 async def metrics(request: Request, state: AppState) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _error_shape(path: str):
+    """The error body of a route: /generate keeps the original API's."""
+    return GenerateFormat.error_body_of if path == "/generate" else APIError.body
 
 
 class APIKeyMiddleware:
@@ -285,11 +328,41 @@ class APIKeyMiddleware:
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "missing or wrong API key", type="authentication_error",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                shape = (GenerateFormat.error_body_of if scope["path"] == "/generate"
-                         else APIError.body)
-                await error_response(error, shape)(scope, receive, send)
+                await error_response(error, _error_shape(scope["path"]))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+WILDCARD_ADDRESSES = frozenset({"", "0.0.0.0", "::"})
+
+
+class HostCheckMiddleware:
+    """For a server with no API key: only requests whose Host names the bound address or a
+    loopback name are served. Otherwise a web page could reach it by DNS rebinding: its own
+    name, resolved to 127.0.0.1, arrives as the Host."""
+
+    def __init__(self, app, bound_host: str) -> None:
+        self.app = app
+        self.allowed = LOOPBACK_NAMES | {_host_name(bound_host)}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and _host_name(
+                dict(scope["headers"]).get(b"host", b"").decode("latin-1")) not in self.allowed:
+            error = APIError(400, "the Host header names neither this server's address nor "
+                             "localhost (set an API key to serve other names)", code="invalid_host")
+            await error_response(error, _error_shape(scope["path"]))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """A Host header's (or a bound address's) name, lowercased, without the port: IPv6
+    addresses in brackets."""
+    host = host.lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1]
+    return f"[{host}]" if host.count(":") > 1 else host.partition(":")[0]
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -321,6 +394,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
     ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    elif config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
+        app.add_middleware(HostCheckMiddleware, bound_host=config.host)
     return app
 
 

@@ -1,8 +1,9 @@
 """Checks of what the HTTP server sends, shared by the tests that drive a real server: SSE
-framing, OpenAI-shaped error bodies, and /metrics samples."""
+framing, OpenAI-shaped error bodies, /metrics samples, and whether streams keep flowing."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -72,3 +73,45 @@ def wait_for_metric(url: str, name: str, predicate, timeout: float = 10.0) -> fl
         if (value is not None and predicate(value)) or time.monotonic() > deadline:
             return value
         time.sleep(0.05)
+
+
+class StreamGaps:
+    """A long streamed completion, read in a thread while the test does something else: its
+    largest gap between reads says how long the server stopped serving it. Use as a context
+    manager; entering waits for the stream's first event, leaving for the server to be idle
+    again (the stream aborted), so later tests count only their own tokens."""
+
+    def __init__(self, url: str, *, max_tokens: int = 1500) -> None:
+        self._body = {"prompt": "Once upon a time", "max_tokens": max_tokens,
+                      "ignore_eos": True, "stream": True}
+        self._url = url
+        self._times: list[float] = []
+        self._started, self._stop = threading.Event(), threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def __enter__(self) -> StreamGaps:
+        self._thread.start()
+        assert self._started.wait(60), "the stream did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert wait_for_metric(self._url, "cllm_requests_running", lambda v: v == 0) == 0
+
+    def _read(self) -> None:
+        with httpx.stream("POST", self._url + "/v1/completions", json=self._body,
+                          timeout=120) as r:
+            for _ in r.iter_raw():
+                self._times.append(time.monotonic())
+                self._started.set()
+                if self._stop.is_set():
+                    return
+        self._ended = True
+
+    def largest(self) -> float:
+        """The longest wait so far, the one going on now included."""
+        assert not self._ended, "the stream ended before the work did: give it more tokens"
+        times = [*self._times, time.monotonic()]
+        return max(b - a for a, b in zip(times, times[1:]))

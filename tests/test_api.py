@@ -1,11 +1,11 @@
-"""Request parsing, validation and chat templates (cllm/api.py): no model needed."""
+"""Request parsing and validation (cllm/api.py): no model needed."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cllm.api import (APIError, ChatRequest, ChatTemplate, CompletionRequest, GenerateRequest,
-                      parse_chat, parse_completion, parse_detokenize, parse_generate,
-                      parse_json_body, parse_tokenize)
+from cllm.api import (APIError, ChatRequest, CompletionRequest, GenerateRequest, parse_chat,
+                      parse_completion, parse_detokenize, parse_generate, parse_json_body,
+                      parse_tokenize)
 from cllm.config import SamplingParams
 
 LIMITS = {"max_n": 4, "max_tokens_limit": 1000}
@@ -48,6 +48,11 @@ def test_json_body_parses_an_object():
     assert parse_json_body(b'{"prompt": "h\xc3\xa9"}', 100) == {"prompt": "hé"}
 
 
+def test_json_body_keeps_escaped_surrogate_pairs():
+    raw = b'{"prompt": "\\ud83d\\ude00 \\u00e9"}'
+    assert parse_json_body(raw, 100) == {"prompt": "\U0001f600 \u00e9"}
+
+
 def test_json_body_at_the_limit_passes_and_one_byte_over_is_413():
     raw = b'{"a": "' + b"x" * 10 + b'"}'
     assert parse_json_body(raw, len(raw)) == {"a": "x" * 10}
@@ -57,6 +62,9 @@ def test_json_body_at_the_limit_passes_and_one_byte_over_is_413():
 
 @pytest.mark.parametrize("raw, words", [
     (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b'{"prompt": "\\ud800"}', "lone surrogate"),
+    (b'{"messages": [{"content": ["a", "\\udfff b"]}]}', "lone surrogate"),
+    (b'{"\\ud83d": 1}', "lone surrogate"),
     (b'{"prompt": ', "not valid JSON"),
     (b"", "not valid JSON"),
     (b'{"a": NaN}', "not valid JSON"),
@@ -105,6 +113,14 @@ def test_completion_nulls_mean_defaults():
     req = completion(model=None, n=None, max_tokens=None, temperature=None, stop=None,
                      logprobs=None, seed=None, stream=None, stream_options=None)
     assert req == completion()
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 9.9e-7])
+def test_temperatures_too_small_for_a_float_mean_greedy(temperature):
+    """Below 1e-6, logits / temperature overflow a C float (NaN probabilities): greedy."""
+    assert completion(temperature=temperature).sampling.temperature == 0.0
+    assert chat(temperature=temperature).sampling.temperature == 0.0
+    assert completion(temperature=1e-6).sampling.temperature == 1e-6
 
 
 def test_completion_stop_as_one_string():
@@ -156,6 +172,31 @@ def test_completion_bad_prompts(prompt):
 ])
 def test_completion_field_rejections(field, value):
     rejects(lambda: completion(**{field: value}), field)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
+    ("response_format", "text"), ("tools", [TOOL]), ("tool_choice", "auto"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("logit_bias", {"50256": -100}),
+])
+def test_fields_that_would_change_the_output_are_refused_until_implemented(field, value):
+    for parse in (completion, chat):
+        err = rejects(lambda: parse(**{field: value}), field)
+        assert "not supported" in err.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "text"}), ("response_format", None), ("tools", []),
+    ("tools", None), ("tool_choice", "none"), ("tool_choice", None), ("logit_bias", {}),
+    ("logit_bias", None),
+])
+def test_those_fields_asking_for_nothing_are_accepted(field, value):
+    assert completion(**{field: value}) == completion()
+    assert chat(**{field: value}) == chat()
 
 
 def test_include_usage_must_be_boolean():
@@ -325,106 +366,3 @@ def test_detokenize():
     assert parse_detokenize({"tokens": []}) == []
     for tokens in (None, "1 2", [1, -1], [True], [1.0], [2**31]):
         rejects(lambda: parse_detokenize({"tokens": tokens}), "tokens")
-
-
-# ---- chat templates ----
-
-# SmolLM2-Instruct's template (ChatML with a default system prompt), as its GGUF carries it.
-SMOLLM2 = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-# Gemma's template: no system role, strict alternation, checked with raise_exception.
-GEMMA = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
-    "{{ raise_exception('System role not supported') }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
-    "{% else %}{% set role = message['role'] %}{% endif %}"
-    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
-
-USER_HI = [{"role": "user", "content": "Hi"}]
-
-
-def test_smollm2_template():
-    template = ChatTemplate(SMOLLM2, bos_token="<|im_start|>", eos_token="<|im_end|>")
-    assert template.render(USER_HI) == (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-        "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    conversation = [{"role": "system", "content": "Be brief."}, *USER_HI,
-                    {"role": "assistant", "content": "Hello!"}]
-    assert template.render(conversation, add_generation_prompt=False) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\nHello!<|im_end|>\n")
-
-
-def test_chatml_fallback_without_a_template():
-    template = ChatTemplate(None, bos_token="", eos_token="")
-    assert template.render([{"role": "system", "content": "S"}, *USER_HI]) == (
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\n")
-
-
-def test_gemma_template_and_raise_exception():
-    template = ChatTemplate(GEMMA, bos_token="<bos>", eos_token="<eos>")
-    assert template.render([{"role": "user", "content": " Hi \n"},
-                            {"role": "assistant", "content": "Hello"}, *USER_HI]) == (
-        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
-        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
-    err = rejects(lambda: template.render([{"role": "system", "content": "S"}, *USER_HI]), None)
-    assert err.message == "chat template error: System role not supported"
-    err = rejects(lambda: template.render(USER_HI * 2), None)
-    assert "Conversation roles must alternate" in err.message
-
-
-def test_template_helpers():
-    source = ("{{ messages | tojson }}|{{ strftime_now('%Y') | length }}"
-              "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
-              "{{ m.content }}{% endfor %}")
-    out = ChatTemplate(source, bos_token="", eos_token="").render(
-        [{"role": "user", "content": "<é>"}, {"role": "user", "content": "no"}])
-    assert out == ('[{"role": "user", "content": "<é>"}, {"role": "user", "content": "no"}]'
-                   "|4<é>")
-
-
-@pytest.mark.parametrize("source", [
-    "{{ ''.__class__ }}",
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ messages.__class__.__base__.__subclasses__() }}",
-    "{{ raise_exception.__globals__ }}",
-    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
-    "{{ messages.append({'role': 'x'}) }}",
-    "{{ messages[0].update({'role': 'x'}) }}",
-    "{{ '{0.__class__.__mro__}'.format(messages) }}",
-])
-def test_sandbox_blocks_python_internals(source):
-    template = ChatTemplate(source, bos_token="", eos_token="")
-    err = rejects(lambda: template.render(USER_HI), None)
-    assert err.message.startswith("chat template error:")
-
-
-@pytest.mark.parametrize("source", [
-    "{{ messages[5]['content'] }}",       # undefined
-    "{{ messages[0]['content'] + 1 }}",  # TypeError
-    "{{ 1 / 0 }}",
-    "{{ messages | tojson(separators=5) }}",  # TypeError inside a filter
-])
-def test_runtime_template_errors_are_400(source):
-    rejects(lambda: ChatTemplate(source, bos_token="", eos_token="").render(USER_HI), None)
-
-
-def test_template_that_does_not_compile_raises_value_error():
-    with pytest.raises(ValueError, match="invalid chat template"):
-        ChatTemplate("{% for m in messages %}{{ m }}", bos_token="", eos_token="")
-
-
-def test_rendered_messages_are_not_mutated():
-    messages = [dict(m) for m in USER_HI]
-    ChatTemplate(SMOLLM2, bos_token="", eos_token="").render(messages)
-    assert messages == USER_HI

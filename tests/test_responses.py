@@ -3,10 +3,10 @@ import json
 import math
 
 from cllm.api import APIError
-from cllm.responses import (chat_choice, chat_chunk, chat_logprobs, chat_response,
+from cllm.responses import (Token, chat_choice, chat_chunk, chat_logprobs, chat_response,
                             completion_choice, completion_chunk, completion_logprobs,
                             completion_response, generate_failure, generate_success, sse_event,
-                            usage_chunk, usage_dict)
+                            token_name, usage_chunk, usage_dict)
 
 ID, MODEL, CREATED = "cmpl-1", "smollm2", 1700000000
 
@@ -64,11 +64,18 @@ def test_chat_chunks_role_then_content_then_finish():
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
 
 
-def test_chat_logprobs_carry_utf8_bytes():
-    assert chat_logprobs([("é", -0.1, [("é", -0.1), ("e", -math.inf)])]) == {"content": [{
-        "token": "é", "logprob": -0.1, "bytes": [195, 169],
-        "top_logprobs": [{"token": "é", "logprob": -0.1, "bytes": [195, 169]},
-                         {"token": "e", "logprob": -9999.0, "bytes": [101]}]}]}
+def test_token_names():
+    assert token_name("é".encode()) == "é"
+    assert token_name(b"\xf0\x9f") == "bytes:\\xf0\\x9f"  # half of an emoji
+    assert token_name(b"a\xe4") != token_name(b"a\xe5")
+
+
+def test_chat_logprobs_carry_the_tokens_bytes():
+    half, other = Token("bytes:\\xf0\\x9f", b"\xf0\x9f"), Token("<|im_end|>", None)
+    assert chat_logprobs([(half, -0.1, [(half, -0.1), (other, -math.inf)])]) == {"content": [{
+        "token": "bytes:\\xf0\\x9f", "logprob": -0.1, "bytes": [240, 159],
+        "top_logprobs": [{"token": "bytes:\\xf0\\x9f", "logprob": -0.1, "bytes": [240, 159]},
+                         {"token": "<|im_end|>", "logprob": -9999.0, "bytes": None}]}]}
 
 
 def test_usage_chunks_have_no_choices():
@@ -94,7 +101,7 @@ def test_sse_framing_is_exact():
 
 def test_sse_payload_with_logprobs_is_strict_json():
     event = sse_event(chat_chunk(ID, MODEL, CREATED, 0, role=False, text="x", finish_reason=None,
-                                 logprobs=chat_logprobs([("x", -math.inf, [])])))
+                                 logprobs=chat_logprobs([(Token("x", b"x"), -math.inf, [])])))
     assert b"Infinity" not in event and b"NaN" not in event
     payload = json.loads(event.removeprefix(b"data: ").removesuffix(b"\n\n"))
     assert payload["choices"][0]["logprobs"]["content"][0]["logprob"] == -9999.0

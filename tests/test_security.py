@@ -3,19 +3,27 @@
 What test_server.py already covers is not repeated here (a missing, wrong or differently-cased
 key; bodies over a small limit; max_tokens over a small context; a missing or non-GGUF model).
 Here: near-miss API keys, the default bind address, the request bounds at their edges, the chat
-template sandbox against hostile templates in a GGUF, and a truncated model file."""
+template sandbox against hostile templates in a GGUF, a truncated model file, and the pinned
+versions of the dependencies that guard the sandbox."""
 from __future__ import annotations
 
 import json
 import shutil
 import struct
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
+from packaging.requirements import Requirement  # pytest's own dependency
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from cllm.config import MAX_STOP_LENGTH, MAX_STOP_STRINGS, ServerConfig
-from http_checks import assert_error
+from http_checks import StreamGaps, assert_error
 from server_process import ServerProcess, server_env, serve_command
 
 KEY = "s3cret-Key_0123456789"
@@ -68,6 +76,12 @@ def test_near_miss_keys_are_refused(server, method, path, body):
             assert error["type"] == "authentication_error"
         r = raw.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
+
+
+def test_with_an_api_key_any_host_header_is_served(http):
+    """The key, not the Host header, guards a server that has one (it may sit behind a proxy or
+    a DNS name of its own)."""
+    assert http.get("/v1/models", headers={"Host": "cllm.example:443"}).status_code == 200
 
 
 def test_health_needs_no_key_but_nothing_else_hides_behind_it(server):
@@ -173,7 +187,7 @@ HOSTILE_TEMPLATES = [
     "{{ lipsum.__globals__['os'].system('touch MARKER') }}",
     "{% for c in ''.__class__.__base__.__subclasses__() %}{% if c.__name__ == 'Popen' %}"
     "{{ c(['touch', 'MARKER']) }}{% endif %}{% endfor %}",
-    "{{ messages.pop() }}{{ range(10**9) | list }}",
+    "{{ range(10**9) | list }}",
 ]
 
 
@@ -195,6 +209,36 @@ def test_hostile_chat_template_is_refused(model_path, tmp_path, template):
     assert "Traceback" not in srv.log
 
 
+# Templates that stay inside the sandbox but would take all the CPU time or memory there is.
+RESOURCE_HUNGRY_TEMPLATES = {
+    "cpu": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "output": "{% for i in range(100000) %}{{ 'x' * 10**7 }}{% endfor %}",
+    "memory": "{{ messages | tojson(indent=10**9) }}",
+    "one string": "{{ 'x' * 10**11 }}",
+}
+
+
+@pytest.mark.parametrize("template", RESOURCE_HUNGRY_TEMPLATES.values(),
+                         ids=RESOURCE_HUNGRY_TEMPLATES.keys())
+def test_resource_hungry_chat_template_is_stopped(model_path, tmp_path, template):
+    """The render is cut off with a 400; while it runs, streams flow and /health answers."""
+    gguf = tmp_path / "hungry.gguf"
+    with_chat_template(model_path, gguf, template)
+    with ServerProcess("--model", str(gguf), "--parallel", "2", "--template-timeout", "2") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        with StreamGaps(srv.url) as gaps:
+            r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+            assert http.get("/health").status_code == 200
+            assert gaps.largest() < 2.0
+        error = assert_error(r, 400, type_="invalid_request_error")
+        assert error["message"].startswith("chat template error:"), error
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+        assert_error(r, 400)  # the next render is refused the same way: its worker was replaced
+    assert "Traceback" not in srv.log
+
+
 # ---- faults: a truncated model file ----
 
 def test_truncated_model_exits_with_one_error_line(model_path, tmp_path):
@@ -213,3 +257,15 @@ def test_truncated_model_exits_with_one_error_line(model_path, tmp_path):
     errors = [line for line in srv.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1, srv.stderr
     assert str(path) in errors[0] and "load" in errors[0], errors
+
+
+# ---- dependencies ----
+
+def test_jinja2_requirement_excludes_versions_with_sandbox_escapes():
+    """The chat template sandbox is Jinja's: versions before 3.1.6 let a template escape it
+    (CVE-2024-56326, CVE-2025-27516)."""
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    (jinja,) = [Requirement(r) for r in pyproject["project"]["dependencies"]
+                if Requirement(r).name == "jinja2"]
+    assert not jinja.specifier.contains("3.1.5") and not jinja.specifier.contains("3.1.4")
+    assert jinja.specifier.contains("3.1.6")

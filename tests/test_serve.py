@@ -1,6 +1,12 @@
 """cllm.serve's options: flag over CLLM_ variable over TOML file over default, and bad values
 refused before anything loads, from flags and from a real process."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import httpx
 import pytest
+from packaging.requirements import Requirement  # pytest's own dependency
 
 from cllm import serve
 from cllm.config import EngineConfig
@@ -45,3 +51,49 @@ def test_bad_model_path_exits_with_one_line(tmp_path, content):
     assert "Traceback" not in srv.log
     assert len(err.splitlines()) == 1, err
     assert str(path) in err and "error" in err.lower()
+
+
+def test_config_file_is_read_with_tomli_before_python_3_11(tmp_path, monkeypatch):
+    """tomllib is new in 3.11; requires-python says 3.10, where tomli (its origin, the same API)
+    stands in: a dependency there only."""
+    pyproject = serve.tomllib.loads((Path(serve.__file__).parent.parent / "pyproject.toml")
+                                    .read_text())
+    (tomli,) = [Requirement(r) for r in pyproject["project"]["dependencies"]
+                if Requirement(r).name == "tomli"]
+    assert tomli.marker.evaluate({"python_version": "3.10"})
+    assert not tomli.marker.evaluate({"python_version": "3.11"})
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # as on 3.10: import tomllib fails
+    monkeypatch.setitem(sys.modules, "tomli", serve.tomllib)
+    spec = importlib.util.spec_from_file_location("serve_on_310", serve.__file__)
+    serve_on_310 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_on_310)
+    toml = tmp_path / "cllm.toml"
+    toml.write_text("parallel = 6\n")
+    assert serve_on_310.parse_args(["--config", str(toml)])["parallel"] == 6
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CLLM_API_KEY", "from-env")
+    assert serve.build_config(serve.parse_args([])).api_key == "from-env"
+
+
+def test_api_key_from_a_file_stays_out_of_the_process_list(tmp_path):
+    key = "file-key-0123456789"
+    path = tmp_path / "key"
+    path.write_text(key + "\n")
+    with ServerProcess("--api-key-file", str(path)) as srv:
+        cmdline = Path(f"/proc/{srv.proc.pid}/cmdline").read_bytes()
+        assert key.encode() not in cmdline
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        r = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--api-key-file", "/nonexistent/key"], "cannot read the API key file"),
+    (["--api-key", "k", "--api-key-file", "/dev/null"], "not both"),
+    (["--api-key-file", "/dev/null"], "is empty"),
+])
+def test_bad_api_key_files_exit_2(argv, reason, capsys):
+    assert serve.main(argv) == 2
+    assert reason in capsys.readouterr().err

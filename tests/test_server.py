@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +18,15 @@ import httpx
 import openai
 import pytest
 
-from http_checks import assert_error, metrics, post_stream, sse_payloads, wait_for_metric
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from cllm.chat_template import ChatTemplate
+from cllm.config import ServerConfig
+from cllm.server import AppState, guarded
+from http_checks import (StreamGaps, assert_error, metrics, post_stream, sse_payloads,
+                         wait_for_metric)
 from server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
@@ -208,6 +220,51 @@ def test_chat_logprobs(client):
     assert plain.choices[0].logprobs is None
 
 
+# Greedy replies of characters of several bytes, which tokens split.
+EMOJI_CHAT = [{"role": "user", "content": "Send party emojis"},
+              {"role": "assistant", "content": "🎉🎉🎉🎉🎉🎉"}, {"role": "user", "content": "More!"}]
+CJK_CHAT = [{"role": "user", "content": "Say hello in Japanese"},
+            {"role": "assistant", "content": "こんにちは、こんにちは、こんにちは"},
+            {"role": "user", "content": "Again"}]
+EMOJI_PROMPT = "🙂🎉🙂🎉🙂🎉🙂🎉🙂🎉"
+CJK_PROMPT = "日本語: こんにちは、こんにちは、こんにちは、"
+
+
+@pytest.mark.parametrize("messages", [EMOJI_CHAT, CJK_CHAT], ids=["emoji", "cjk"])
+def test_chat_logprobs_bytes_make_up_the_reply(http, messages):
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12,
+                                                "temperature": 0, "logprobs": True,
+                                                "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    content = choice["message"]["content"]
+    assert any(ord(c) > 0x3000 for c in content), content  # the reply has such characters
+    entries = choice["logprobs"]["content"]
+    raw = b"".join(bytes(e["bytes"] or b"") for e in entries)
+    assert raw.decode("utf-8", "replace") == content
+    for e in entries:
+        assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the same name
+        assert e["top_logprobs"][0]["bytes"] == e["bytes"]
+
+
+@pytest.mark.parametrize("prompt", [EMOJI_PROMPT, CJK_PROMPT], ids=["emoji", "cjk"])
+def test_completion_logprobs_of_multibyte_text(http, prompt):
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3,
+            "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = whole["logprobs"]
+    assert any(ord(c) > 0x3000 for c in whole["text"]), whole["text"]
+    # Tokens that are parts of one character have distinct names: none is lost from a top list.
+    assert all(len(top) == 3 for top in lp["top_logprobs"]), lp["top_logprobs"]
+    assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"]))
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(whole["text"])
+    # Streamed, the offsets go on from chunk to chunk.
+    response, raw = post_stream(http, "/v1/completions", {**body, "stream": True})
+    streamed = [c for e in sse_payloads(raw) for c in e["choices"]]
+    assert [o for c in streamed if c["logprobs"] for o in c["logprobs"]["text_offset"]] == offsets
+
+
 def test_seed_reproduces_sampling(client):
     def sample(seed, chat=False):
         if chat:
@@ -225,12 +282,38 @@ def test_seed_reproduces_sampling(client):
     assert sample(99, chat=True) == sample(99, chat=True)
 
 
+def test_tiny_temperature_is_greedy(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**args, temperature=0).choices[0].text
+    assert client.completions.create(**args, temperature=1e-40).choices[0].text == greedy
+
+
 def test_openai_client_raises_on_a_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
     assert info.value.status_code == 400
     assert info.value.body["type"] == "invalid_request_error"
     assert "max_tokens" in info.value.body["message"]
+
+
+# A Gemma-style template that writes the BOS token itself, as Gemma's instruct models' do.
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
+                  "{{ m.content }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n")
+
+
+def test_template_that_writes_bos_gets_no_second_one(gemma_path, tmp_path):
+    gguf = tmp_path / "gemma-chat.gguf"  # the base model has no template: give it one
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", gemma_path, str(gguf),
+                    "--chat-template", GEMMA_TEMPLATE, "--force"],
+                   check=True, capture_output=True, timeout=600)
+    rendered = ChatTemplate(GEMMA_TEMPLATE, bos_token="<bos>", eos_token="<eos>").render(CHAT)
+    with ServerProcess("--model", str(gguf), "--ctx-size", "512", "--parallel", "1") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        tokens = http.post("/tokenize", json={"content": rendered}).json()["tokens"]
+        assert tokens[0] != tokens[1]  # one BOS: the template's
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tokens)
 
 
 # ---- /generate, the original API ----
@@ -279,6 +362,8 @@ def test_generate(http):
     b'{"prompt": "Hi", "stream": 1}',
     b'{"prompt": "Hi",',
     b'["Hi"]',
+    b'{"prompt": "\\ud800"}',
+    b'{"prompt": "\\u001d"}',
 ])
 def test_generate_failure(http, body):
     r = http.post("/generate", content=body, headers={"content-type": "application/json"})
@@ -322,6 +407,10 @@ BAD_REQUESTS = [
     ("/v1/completions", b""),
     ("/v1/completions", b"[1, 2]"),
     ("/v1/completions", b'{"prompt": "\xff"}'),
+    ("/v1/completions", b'{"prompt": "Hi \\ud800"}'),
+    ("/v1/completions", b'{"prompt": "\\u001d"}'),  # text of no tokens
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
+    ("/tokenize", b'{"content": "\\ud800"}'),
     ("/v1/completions", b'{"prompt": "Hi", "temperature": NaN}'),
     ("/v1/completions", b'{"prompt": 5}'),
     ("/v1/completions", b'{"prompt": [1000000000]}'),
@@ -348,6 +437,11 @@ BAD_REQUESTS = [
                              b'"top_logprobs": 2}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
                              b'"stream": true, "temperature": 1000}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                             b'"response_format": {"type": "json_object"}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                             b'"tools": [{"type": "function", "function": {"name": "f"}}]}'),
+    ("/v1/completions", b'{"prompt": "Hi", "logit_bias": {"1": 100}}'),
     ("/tokenize", b'{"content": 5}'),
     ("/tokenize", b"{}"),
     ("/detokenize", b'{"tokens": "Hi"}'),
@@ -360,6 +454,20 @@ BAD_REQUESTS = [
 def test_bad_request(http, path, body):
     r = http.post(path, content=body, headers={"content-type": "application/json"})
     assert_error(r, 400, type_="invalid_request_error")
+
+
+def test_internal_errors_do_not_leak_their_details(caplog):
+    """A fault's details (paths, values) go to the log, not to the client."""
+    async def faulty(request, state):
+        raise RuntimeError("secret detail in /home/someone/model.gguf")
+
+    app = Starlette(routes=[Route("/faulty", guarded(faulty), methods=["GET"])])
+    app.state.cllm = AppState(ServerConfig(), MODEL)
+    with TestClient(app) as test_client:
+        r = test_client.get("/faulty")
+    assert_error(r, 500, type_="server_error", code="internal_error")
+    assert "secret" not in r.text and "RuntimeError" not in r.text
+    assert "secret detail" in caplog.text
 
 
 @pytest.mark.parametrize("method,path,status", [
@@ -455,6 +563,18 @@ def test_api_key():
             assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
 
 
+def test_foreign_host_header_is_refused_without_an_api_key(server, http):
+    """DNS rebinding: a web page's own name, resolved to 127.0.0.1, reaches the server with
+    that name as Host. Without an API key only loopback names and the bound address pass."""
+    for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhostx"):
+        assert_error(http.get("/v1/models", headers={"Host": host}), 400, code="invalid_host")
+    r = http.post("/generate", json={"prompt": "Hi"}, headers={"Host": "evil.example"})
+    assert_error(r, 400, generate=True, code="invalid_host")
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "LOCALHOST",
+                 f"[::1]:{server.port}"):
+        assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
+
+
 def test_queue_full_is_429_with_retry_after():
     """One sequence at a time and one waiting: with one running and one queued, the next
     request is refused at once."""
@@ -485,6 +605,40 @@ def test_queue_full_is_429_with_retry_after():
         assert queued["r"].status_code == 200, queued["r"].text
         assert queued["r"].json()["usage"]["completion_tokens"] == 3
         assert metrics(http)['cllm_request_failure_total{code="429"}'] == 4
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    out = b""
+    while chunk := sock.recv(4096):
+        out += chunk
+    return out
+
+
+def test_slow_clients_are_cut_off():
+    """Connections that stall mid-headers or mid-body are closed after --client-timeout; the
+    server answers others meanwhile."""
+    n = min(500, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 - 50)
+    with ServerProcess("--client-timeout", "1") as srv:
+        stalled = []
+        try:
+            for _ in range(n):
+                stalled.append(socket.create_connection(("127.0.0.1", srv.port)))
+                stalled[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConte")
+            body = socket.create_connection(("127.0.0.1", srv.port))
+            stalled.append(body)
+            body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+            for sock in stalled[:-1]:
+                assert _read_until_closed(sock, timeout=30) == b""
+            reply = _read_until_closed(body, timeout=30)
+            assert reply.startswith(b"HTTP/1.1 408 "), reply
+            assert b'"code":"body_timeout"' in reply
+        finally:
+            for sock in stalled:
+                sock.close()
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
 
 
 # ---- health, loading, shutdown ----
@@ -720,6 +874,25 @@ def test_tokenize_detokenize_round_trip(http):
     special = http.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"]
     assert len(special) == 1
     assert http.post("/detokenize", json={"tokens": []}).json() == {"content": ""}
+
+
+def test_heavy_requests_do_not_stall_streams(server):
+    """Tokenizing megabytes and detokenizing a million ids take seconds: other requests' tokens
+    keep flowing meanwhile."""
+    text = "The sea, the sea. " * (3_900_000 // 18)  # under the 4 MiB body limit
+    heavy = [("/tokenize", {"content": text}), ("/tokenize", {"content": text}),
+             ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+             ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+             ("/detokenize", {"tokens": [9] * 1_000_000})]  # 3 bytes an id
+    results: dict = {}
+    with StreamGaps(server.url) as gaps:
+        threads = [_request_in_thread(server.url, path, body, results, i)
+                   for i, (path, body) in enumerate(heavy)]
+        for t in threads:
+            t.join(120)
+        assert gaps.largest() < 2.0
+    statuses = [results[i][0] for i in range(len(heavy))]
+    assert statuses == [200, 200, 400, 400, 200], statuses  # the prompts overflow the context
 
 
 METRIC_NAMES = [
