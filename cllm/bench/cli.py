@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
 
 from .loadgen import LoadSettings
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                               f"{ENGINE_DEFAULTS.n_ubatch})")
     started.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto")
     started.add_argument("--n-gpu-layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers)
+    started.add_argument("--peer-args", type=shlex.split, default=[],
+                         help="more llama-server flags, one quoted string (e.g. '-bs': the peer "
+                              "at its best)")
     started.add_argument("--batched-bench", action="store_true",
                          help="also build llama-batched-bench beside llama-server")
     out = p.add_argument_group("output")
@@ -128,7 +132,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           # llama.cpp caps the micro-batch at the batch anyway
                           ubatch_size=args.ubatch_size or min(args.batch_size,
                                                               ENGINE_DEFAULTS.n_ubatch),
-                          flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers)
+                          flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers,
+                          peer_args=tuple(args.peer_args))
 
 
 def _kv_unified(asked: bool | None) -> bool:

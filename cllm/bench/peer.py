@@ -128,7 +128,7 @@ def server_command(binary: Path, model: Path, port: int, s: ServerSettings) -> l
             "--no-webui",
             # llama.cpp's AMX/repack buffers crash where the CPU reports AMX under a VM;
             # cllm turns them off the same way (use_extra_bufts=false).
-            "--no-repack"]
+            "--no-repack", *s.peer_args]
 
 
 def start_peer(model: Path, s: ServerSettings, log_dir: Path) -> StartedServer:

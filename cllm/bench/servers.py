@@ -21,12 +21,13 @@ class ServerSettings:
     """What cllm and llama-server are both started with, so they run the same configuration."""
     parallel: int
     ctx_size: int = 8192  # KV cells in all: split over the sequences unless kv_unified
-    kv_unified: bool = ENGINE_DEFAULTS.kv_unified
+    kv_unified: bool = False
     threads: int = 1
     batch_size: int = ENGINE_DEFAULTS.n_batch
     ubatch_size: int = ENGINE_DEFAULTS.n_ubatch
     flash_attn: str = ENGINE_DEFAULTS.flash_attn
     n_gpu_layers: int = ENGINE_DEFAULTS.n_gpu_layers
+    peer_args: tuple[str, ...] = ()  # llama-server only: e.g. its backend sampling, -bs
 
 
 @dataclass(slots=True)

@@ -56,8 +56,12 @@ HOSTILE = [
     ("deep nesting", _DEEP, "4xx"),
     ("unknown fields", json.dumps({
         "prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-        "user": "u", "logit_bias": {"1": 2}, "frobnicate": {"x": [1, None, {"y": True}]},
+        "user": "u", "frobnicate": {"x": [1, None, {"y": True}]},
         "tools": [], "response_format": {"type": "text"}}).encode(), "ok"),
+    # A field that would change the output but is not implemented is refused, not ignored.
+    ("unimplemented field", json.dumps({
+        "prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        "logit_bias": {"1": 2}}).encode(), "4xx"),
 ]
 PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
