@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                               f"{ENGINE_DEFAULTS.n_ubatch})")
     started.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto")
     started.add_argument("--n-gpu-layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers)
+    started.add_argument("--peer-kv-unified", action=argparse.BooleanOptionalAction,
+                         help="llama-server's KV layout when it is not cllm's (its fastest "
+                              "may differ)")
     started.add_argument("--peer-args", type=shlex.split, default=[],
                          help="more llama-server flags, one quoted string (e.g. '-bs': the peer "
                               "at its best)")
@@ -133,7 +136,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           ubatch_size=args.ubatch_size or min(args.batch_size,
                                                               ENGINE_DEFAULTS.n_ubatch),
                           flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers,
-                          peer_args=tuple(args.peer_args))
+                          peer_args=tuple(args.peer_args), peer_kv_unified=args.peer_kv_unified)
 
 
 def _kv_unified(asked: bool | None) -> bool:

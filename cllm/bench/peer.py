@@ -121,7 +121,7 @@ def server_command(binary: Path, model: Path, port: int, s: ServerSettings) -> l
     sequences: split evenly among them, or one pool that any of them may fill (--kv-unified)."""
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(s.parallel), "-c", str(s.ctx_size),
-            *(["--kv-unified"] if s.kv_unified else []),
+            *(["--kv-unified"] if _peer_kv_unified(s) else []),
             "-t", str(s.threads), "-b", str(s.batch_size), "-ub", str(s.ubatch_size),
             # cllm's -1 is llama.h's "every layer"; llama-server's -1 would mean "auto" (fit).
             "-fa", s.flash_attn, "-ngl", "all" if s.n_gpu_layers < 0 else str(s.n_gpu_layers),
@@ -129,6 +129,10 @@ def server_command(binary: Path, model: Path, port: int, s: ServerSettings) -> l
             # llama.cpp's AMX/repack buffers crash where the CPU reports AMX under a VM;
             # cllm turns them off the same way (use_extra_bufts=false).
             "--no-repack", *s.peer_args]
+
+
+def _peer_kv_unified(s: ServerSettings) -> bool:
+    return s.kv_unified if s.peer_kv_unified is None else s.peer_kv_unified
 
 
 def start_peer(model: Path, s: ServerSettings, log_dir: Path) -> StartedServer:

@@ -28,6 +28,7 @@ class ServerSettings:
     flash_attn: str = ENGINE_DEFAULTS.flash_attn
     n_gpu_layers: int = ENGINE_DEFAULTS.n_gpu_layers
     peer_args: tuple[str, ...] = ()  # llama-server only: e.g. its backend sampling, -bs
+    peer_kv_unified: bool | None = None  # llama-server's layout, if not cllm's
 
 
 @dataclass(slots=True)

@@ -55,6 +55,9 @@ def test_peer_command_matches_cllm_settings():
     assert "--kv-unified" in peer.server_command(Path("/b"), Path("/m"), 1, s)
     best = server_settings(parse_args(["--peer", "llama-server", "--peer-args", "-bs -fa on"]))
     assert peer.server_command(Path("/b"), Path("/m"), 1, best)[-3:] == ["-bs", "-fa", "on"]
+    split_peer = server_settings(parse_args(["--peer", "llama-server", "--kv-unified",
+                                             "--no-peer-kv-unified"]))
+    assert "--kv-unified" not in peer.server_command(Path("/b"), Path("/m"), 1, split_peer)
 
 
 def test_build_dir_keyed_by_tree_and_cmake_args(monkeypatch, tmp_path):
