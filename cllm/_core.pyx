@@ -228,8 +228,9 @@ cdef class Context:
     `step()`, which decodes one batch and samples every row that asks for a token.
 
     The KV cache holds `n_ctx` cells. Unified, any sequence may use any cell; otherwise each
-    sequence owns `n_ctx / n_seq_max` of them, and attends only over its own: a sequence's
-    logits then do not depend on which other sequences share its batches."""
+    sequence owns `n_ctx / n_seq_max` of them, and attends only over its own; with
+    `aligned_prefill` too, on a CPU, a sequence's logits then do not depend on which other
+    sequences share its batches, nor on whether its prefix was computed in an earlier request."""
     cdef llama_context * ctx
     cdef llama_batch batch
     cdef llama_sampler ** chains
@@ -244,11 +245,12 @@ cdef class Context:
     cdef int * out_tokens
     cdef readonly Model model
     cdef readonly int n_ctx, n_ctx_seq, n_seq_max, n_batch, n_vocab
-    cdef readonly bint kv_unified
+    cdef readonly bint kv_unified, aligned_prefill
     cdef volatile int _interrupted  # set from any thread: a decode run stops after its step
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
-                  int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True):
+                  int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True,
+                  bint aligned_prefill=False):
         if n_seq_max < 1 or n_ctx < 1 or n_batch < 1 or n_ubatch < 1:
             raise ValueError("n_ctx, n_seq_max, n_batch and n_ubatch must be positive")
         if flash_attn not in _FLASH_ATTN:
@@ -272,6 +274,7 @@ cdef class Context:
         self.n_ctx = llama_n_ctx(self.ctx)
         self.n_ctx_seq = llama_n_ctx_seq(self.ctx)
         self.kv_unified = kv_unified
+        self.aligned_prefill = aligned_prefill and not kv_unified
         self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_batch = llama_n_batch(self.ctx)
         self.n_vocab = model.n_vocab
@@ -432,8 +435,8 @@ cdef class Context:
         their last token; the others get -1. With `top_logprobs` (-1: none, k >= 0: the chosen
         token's log-probability and the k most likely), returns (tokens, Logprobs), else tokens.
 
-        Split streams decode the one-token rows together and each longer row on its own, cut at
-        its last multiple of PREFILL_BLOCK (see there). Raises KVCacheFullError when the batch
+        With `aligned_prefill` (split streams only), the one-token rows decode together and
+        each longer row on its own, cut at its last multiple of PREFILL_BLOCK (see there). Raises KVCacheFullError when the batch
         does not fit the KV cache (nothing is written), DecodeError for any other failure."""
         cdef Py_ssize_t r, n_rows = seq_ids.shape[0]
         if positions.shape[0] != n_rows or n_tokens.shape[0] != n_rows or sample.shape[0] != n_rows:
@@ -448,7 +451,7 @@ cdef class Context:
             for r in range(n_rows):
                 k = max(k, top_logprobs[r])
             lp = Logprobs.__new__(Logprobs, n_rows, k)
-        cdef _Pieces pieces = _Pieces(positions, n_tokens, not self.kv_unified)
+        cdef _Pieces pieces = _Pieces(positions, n_tokens, self.aligned_prefill)
         cdef _RowLogprobs wanted
         wanted.top = NULL
         if lp is not None:
@@ -634,8 +637,8 @@ cdef class Context:
         return 0
 
 
-# Split streams decode prompts in pieces aligned to this many positions, each piece in a
-# llama_decode of its own: a piece of whole blocks, then the rest. So a prompt token's rows go
+# With aligned_prefill (split streams on a CPU), prompts are decoded in pieces aligned to this
+# many positions, each piece in a llama_decode of its own: a piece of whole blocks, then the rest. So a prompt token's rows go
 # through the same kernels whether its prefix came from the prefix cache (which reuses whole
 # blocks) or was computed with it, and whatever else is in the step: with fewer than 64 query
 # rows, ggml's CPU flash attention takes another path (GGML_FA_TILE_Q is 64), and one batch's

@@ -337,6 +337,7 @@ def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
     """The original API: {"prompt", "max_tokens", "temperature", "top_p", "top_k", "stream"}, plus
     seed, stop, ignore_eos, min_p, repeat_penalty and the penalties. Defaults: max_tokens 16,
     temperature 1.0, top_p 1.0, top_k 0 (off)."""
+    _refuse_unimplemented(body)
     prompt = _field(body, "prompt", "a string")
     if not prompt:
         raise _invalid("prompt", "prompt must be a non-empty string")

@@ -98,11 +98,14 @@ class Engine:
         gpu = _core.supports_gpu_offload()
         self.kv_unified = (default_kv_unified() if config.kv_unified is None
                            else config.kv_unified)
+        # Prompts in aligned blocks make CPU results independent of batches and of the prefix
+        # cache; a GPU's kernels are not batch-invariant anyway, so there it would only cost.
+        aligned = not (self.kv_unified or gpu)
         self.ctx = _core.Context(self.model, n_ctx=config.n_ctx,
                                  n_seq_max=_slots(config.n_parallel, self.kv_unified),
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
-                                 kv_unified=self.kv_unified)
+                                 kv_unified=self.kv_unified, aligned_prefill=aligned)
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
@@ -111,7 +114,7 @@ class Engine:
                                    eog_tokens=frozenset(self.model.eog_tokens),
                                    n_slots=self.ctx.n_seq_max, shared_kv=self.kv_unified,
                                    prefix_cache=config.prefix_cache,
-                                   prefill_block=1 if self.kv_unified else _core.PREFILL_BLOCK)
+                                   prefill_block=_core.PREFILL_BLOCK if aligned else 1)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where a step dwarfs it.

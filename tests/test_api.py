@@ -348,6 +348,7 @@ def test_generate_fields():
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_k": True}, "top_k"),
     ({"prompt": "x", "stream": "false"}, "stream"),
+    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),  # would change the output
 ])
 def test_generate_rejections(body, param):
     rejects(lambda: parse_generate(body, max_tokens_limit=1000), param)

@@ -940,14 +940,16 @@ def test_usage_reports_cached_prompt_tokens(client, http):
     prefix = "The lighthouse keeper's log, winter of 1901. " * 30
     first = http.post("/v1/completions", json={"prompt": prefix + "Entry one:", "max_tokens": 4})
     assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    n_prefix = n_tokens(http, prefix)
+    # The prefix, less what the layout recomputes: on a CPU, prompts are reused in whole blocks
+    # of 64 tokens (ARCHITECTURE.md).
+    n_prefix = n_tokens(http, prefix) - 64
     whole = client.completions.create(model=MODEL, prompt=prefix + "Entry two:", max_tokens=4)
-    assert whole.usage.prompt_tokens_details.cached_tokens >= n_prefix - 1
+    assert whole.usage.prompt_tokens_details.cached_tokens >= n_prefix
     _, body = post_stream(http, "/v1/completions", {
         "prompt": prefix + "Entry three:", "max_tokens": 4, "stream": True,
         "stream_options": {"include_usage": True}})
     usage = sse_payloads(body)[-1]["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= n_prefix - 1
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= n_prefix
     off = http.post("/v1/completions", json={"prompt": prefix + "Entry two:", "max_tokens": 4,
                                              "cache_prompt": False})
     assert off.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -965,7 +967,7 @@ def test_the_next_chat_turn_starts_from_the_last_one(client):
                  {"role": "user", "content": "And another one?"}]
     turn2 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                            temperature=0)
-    assert turn2.usage.prompt_tokens_details.cached_tokens >= turn1.usage.prompt_tokens - 1
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= turn1.usage.prompt_tokens - 64
 
 
 def test_metrics_count_prefix_cache_lookups_and_hits(http):
@@ -977,5 +979,5 @@ def test_metrics_count_prefix_cache_lookups_and_hits(http):
     looked_up = after["cllm_prefix_cache_queries_total"] - before.get("cllm_prefix_cache_queries_total", 0)
     found = after["cllm_prefix_cache_hits_total"] - before.get("cllm_prefix_cache_hits_total", 0)
     assert looked_up == 2 * n_tokens(http, prompt)
-    assert found >= n_tokens(http, prompt) - 1
+    assert found >= n_tokens(http, prompt) - 64
     assert after["cllm_prefix_cache_cells"] > 0
