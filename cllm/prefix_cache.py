@@ -163,14 +163,14 @@ class PrefixCache:
             slot.own_group = run.group
         self.cells_used += n
 
-    def finish(self, slot: Slot, computed_tokens: list[int]) -> list[KvOp]:
+    def finish(self, slot: Slot, computed_tokens: list[int], keep: bool = True) -> list[KvOp]:
         """The slot's sequence ended having computed `computed_tokens`: they stay cached (cells
         a decode wrote past them, for a sequence aborted meanwhile, are dropped), or are cleared
-        at once when the cache is off."""
+        at once when the cache is off or `keep` is false."""
         slot.live = False
         slot.last_used = next(self._clock)
         slot.tokens = computed_tokens
-        if not self.enabled:
+        if not (self.enabled and keep):
             return self.evict(slot)
         return [KvOp("share", slot.id, slot.id, len(computed_tokens))]
 

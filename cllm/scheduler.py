@@ -101,7 +101,7 @@ class Scheduler:
             return False
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._release(seq)
+            self._release(seq, ending=True)
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -187,7 +187,7 @@ class Scheduler:
         if not self.running:
             return None
         seq = self.running.pop()
-        self._release(seq)  # its computed tokens stay cached: it may resume from them
+        self._release(seq, ending=False)  # its computed tokens stay cached to resume from
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -202,10 +202,13 @@ class Scheduler:
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
             self.finish(seq, FINISH_LENGTH, now)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, ending: bool) -> None:
         slot = self.cache.slots[seq.seq_id]
         del self._slot_seq[slot.id]
-        self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens))
+        # A request that asked not to use the cache (cache_prompt: false) leaves nothing in it
+        # either, once it ends.
+        keep = seq.cache_prompt or not ending
+        self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens), keep)
         self._released.append(seq.seq_id)
         seq.seq_id = None
 

@@ -207,3 +207,22 @@ def test_thousand_sequences_leave_nothing_behind():
             break
     assert released == 1000
     assert_only_cache_left(sched)
+
+
+def test_cache_prompt_false_neither_reads_nor_leaves_a_cached_prefix():
+    sched = make_scheduler(max_seqs=2, budget=64)
+    shared = list(range(500, 540))
+    first = make_seq(0, max_tokens=1, prompt=shared + [1])
+    sched.add(first)
+    run_step(sched)
+    assert first.is_finished and sched.cache.cached_cells == 41
+    private = make_seq(0, max_tokens=1, prompt=shared + [2])
+    private.cache_prompt = False
+    sched.add(private)
+    run_step(sched)
+    assert private.num_cached_tokens == 0 and private.is_finished
+    assert sched.cache.cached_cells == 41  # its own cells were cleared when it ended
+    later = make_seq(0, max_tokens=1, prompt=shared + [3])
+    sched.add(later)
+    run_step(sched)
+    assert later.num_cached_tokens == 40
