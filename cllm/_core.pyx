@@ -181,7 +181,12 @@ cdef class Model:
         return tokens.tolist()[:n]
 
     def token_to_piece(self, int token, bint special=False):
-        """The bytes of one token: a piece of a multi-byte UTF-8 character may stand alone."""
+        """The bytes of one token: a piece of a multi-byte UTF-8 character may stand alone.
+        ValueError for an id outside the vocabulary (llama.cpp would abort the process), such
+        as LLAMA_TOKEN_NULL (-1), what a vocabulary without BOS or EOS reports for them."""
+        if token < 0 or token >= llama_vocab_n_tokens(self.vocab):
+            raise ValueError(f"token id {token} outside the vocabulary "
+                             f"[0, {llama_vocab_n_tokens(self.vocab)})")
         cdef char buf[128]
         cdef int32_t n = llama_token_to_piece(self.vocab, token, buf, sizeof(buf), 0, special)
         if n < 0:
@@ -491,7 +496,6 @@ cdef class Context:
         cdef carray.array tokens = carray.clone(_INT_ARRAY, n_rows * n_steps, False)
         cdef carray.array counts = carray.clone(_INT_ARRAY, n_rows, True)
         cdef int32_t rc
-        self._interrupted = 0
         with nogil:
             rc = self._run(seq_ids, positions, last_tokens, budgets, n_steps,
                            tokens.data.as_ints, counts.data.as_ints)
@@ -500,8 +504,14 @@ cdef class Context:
         return tokens, counts
 
     def interrupt(self):
-        """Make a running decode_run return after its current step (thread-safe)."""
+        """Make a running decode_run return after its current step (thread-safe). The flag
+        stays set until `clear_interrupt()`, so a run that starts after it returns at once."""
         self._interrupted = 1
+
+    def clear_interrupt(self):
+        """Called by the decoding thread just before it reads its inbox: whatever arrives after
+        that interrupts the next run."""
+        self._interrupted = 0
 
     cdef int32_t _run(self, const int[::1] seq_ids, const int[::1] positions,
                       const int[::1] last_tokens, const int[::1] budgets, int n_steps,

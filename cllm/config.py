@@ -4,11 +4,14 @@ Values are checked here, with ValueError naming the field, so every layer can tr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_TOP_LOGPROBS = 20
+# llama.cpp seeds its samplers with 32 bits, and takes 0xFFFFFFFF as "pick one at random": the
+# seeds that mean distinct streams are 0 .. 2**32 - 2. -1 (llama-server's "random") is no seed.
+MAX_SEED = (1 << 32) - 2
 
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
@@ -32,6 +35,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: one seed must still give n different choices,
+        so choice i takes seed + i, wrapping within the seed space."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=(self.seed + index) % (MAX_SEED + 1))
+
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -44,8 +54,10 @@ class SamplingParams:
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.repeat_penalty == 0.0:
             raise ValueError("repeat_penalty must be greater than 0")
+        if self.seed == -1:
+            self.seed = None
         if self.seed is not None:
-            _check_range("seed", self.seed, -(1 << 63), (1 << 64) - 1)
+            _check_range("seed", self.seed, 0, MAX_SEED)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:

@@ -31,6 +31,10 @@ class PromptTooLongError(ValueError):
     """The prompt leaves no room in the context for a generated token."""
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine takes no more requests: it is shutting down, or its thread failed."""
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -122,8 +126,11 @@ class Engine:
         self._run_ahead = True
         self._live: dict[Sequence, _Live] = {}
         self._inbox: deque = deque()
+        self._inbox_lock = threading.Lock()  # no message gets in once the engine has closed
+        self._closed = False
         self._wake = threading.Event()
         self._stopping = False
+        self.failure: str | None = None  # why the engine thread died, if it did
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="cllm-engine", daemon=True)
         self._thread.start()
@@ -136,10 +143,10 @@ class Engine:
                cache_prompt: bool = True) -> RequestStream:
         """Queue a generation; must be called from a running event loop, on which `on_end` gets
         the final delta. `cache_prompt=False` computes the whole prompt, whatever is cached.
-        Raises PromptTooLongError (the prompt does not fit the context) and RuntimeError
-        (stopping)."""
-        if self._stopping:
-            raise RuntimeError("the engine is shutting down")
+        Raises PromptTooLongError (the prompt does not fit the context) and EngineStoppedError
+        (shutting down, or the engine failed)."""
+        if self._stopping or self.failure:
+            raise EngineStoppedError(self.failure or "the engine is shutting down")
         if not prompt_token_ids:
             raise ValueError("the prompt has no tokens")
         if len(prompt_token_ids) >= self.max_seq_len:
@@ -154,7 +161,10 @@ class Engine:
         return stream
 
     def abort(self, seq: Sequence) -> None:
-        self._post(("abort", seq))
+        try:
+            self._post(("abort", seq))
+        except EngineStoppedError:  # every sequence has ended already
+            pass
 
     def shutdown(self) -> None:
         """Finish every sequence with reason 'shutdown' and stop the engine thread."""
@@ -182,7 +192,10 @@ class Engine:
         return self.scheduler.cache.cached_cells
 
     def _post(self, message) -> None:
-        self._inbox.append(message)
+        with self._inbox_lock:
+            if self._closed:
+                raise EngineStoppedError(self.failure or "the engine is shutting down")
+            self._inbox.append(message)
         self._wake.set()
         self.ctx.interrupt()  # a decode run in C makes way at its next step
 
@@ -192,15 +205,20 @@ class Engine:
         try:
             while not self._stopping:
                 self._wake.clear()
+                self.ctx.clear_interrupt()  # what is posted from here on interrupts a run
                 self._drain_inbox()
                 if self.scheduler.has_work:
                     self._step()
                 else:
                     self._wake.wait()
-        except BaseException:  # a bug here must not leave requests hanging forever
+        except BaseException as exc:  # a bug here must not leave requests hanging forever
             log.exception("engine loop failed")
-            raise
-        finally:
+            self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
+        with self._inbox_lock:
+            self._closed = True
+        if self.failure:
+            self._fail_all(self.failure)
+        else:
             self._drain_inbox()
             self._finish_all(FINISH_SHUTDOWN, "the server is shutting down")
 
@@ -343,8 +361,11 @@ class Engine:
             seq = out.chunks[i].seq
             live = self._live[seq]
             new_tokens = seq.output_token_ids[-kept:]
+            text, used = self._text_of(live.text, new_tokens)
+            if used < len(new_tokens):  # a stop string ended it inside a decode run
+                self.scheduler.drop_last_tokens(seq, len(new_tokens) - used)
+                new_tokens = new_tokens[:used]
             live.pending += new_tokens
-            text = "".join(map(live.text.feed, map(self.model.token_to_piece, new_tokens)))
             if live.text.stopped:
                 self.scheduler.finish(seq, FINISH_STOP, now)
             if seq.is_finished:
@@ -352,6 +373,16 @@ class Engine:
             else:
                 outbox.add(live.stream, Delta(text, live.pending, live.take_logprobs()))
                 live.pending = []
+
+    def _text_of(self, text: TextStream, tokens: list[int]) -> tuple[str, int]:
+        """The text `tokens` add, and how many of them count: up to the one that completes a
+        stop string, if one does."""
+        parts = []
+        for used, token in enumerate(tokens, 1):
+            parts.append(text.feed(self.model.token_to_piece(token)))
+            if text.stopped:
+                return "".join(parts), used
+        return "".join(parts), len(tokens)
 
     def _end(self, seq: Sequence, reason: str, error: str | None, outbox: _Outbox) -> None:
         self.scheduler.finish(seq, reason, time.monotonic(), error)
@@ -364,6 +395,20 @@ class Engine:
             text, live.pending, live.take_logprobs(), finish_reason=seq.finish_reason,
             error=seq.error, prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens, completion_tokens=seq.num_output_tokens, timings=seq.timings()))
+
+    def _fail_all(self, error: str) -> None:
+        """After a failure, the scheduler's state cannot be trusted: every request, running or
+        still in the inbox, just hears how it ended."""
+        outbox = _Outbox()
+        streams = [live.stream for live in self._live.values()]
+        streams += [item for kind, item in self._inbox if kind == "add"]
+        self._inbox.clear()
+        self._live.clear()
+        for stream in streams:
+            stream.seq.finish_reason, stream.seq.error = FINISH_ERROR, error
+            outbox.add(stream, Delta("", [], finish_reason=FINISH_ERROR, error=error,
+                                     prompt_tokens=stream.seq.num_prompt_tokens))
+        outbox.deliver()
 
     def _finish_all(self, reason: str, error: str) -> None:
         outbox = _Outbox()

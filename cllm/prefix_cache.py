@@ -172,6 +172,8 @@ class PrefixCache:
         slot.tokens = computed_tokens
         if not (self.enabled and keep):
             return self.evict(slot)
+        slot.runs = _clip(slot.runs, len(computed_tokens))
+        self._recount()
         return [KvOp("share", slot.id, slot.id, len(computed_tokens))]
 
     def evict(self, slot: Slot) -> list[KvOp]:

@@ -165,6 +165,12 @@ class Scheduler:
             got.append((i, kept))
         return got
 
+    def drop_last_tokens(self, seq: Sequence, n: int) -> None:
+        """Forget `seq`'s last `n` output tokens: a decode run made them after a stop string
+        had ended the sequence. Their cells go when the sequence ends."""
+        del seq.output_token_ids[len(seq.output_token_ids) - n:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+
     def decode_budget(self, seq: Sequence) -> int:
         """Tokens `seq` may still generate before max_tokens or its context's end."""
         return min(seq.sampling.max_tokens - seq.num_output_tokens,

@@ -23,7 +23,7 @@ from cllm import api
 from cllm.api import APIError
 from cllm.chat_template import ChatTemplate, TemplateRenderer
 from cllm.config import SamplingParams, ServerConfig
-from cllm.engine import Delta, Engine, PromptTooLongError
+from cllm.engine import Delta, Engine, EngineStoppedError, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
 from cllm.generation import Generation, SequenceFailure, failure
 from cllm.metrics import CONTENT_TYPE, Metrics
@@ -48,7 +48,9 @@ class AppState:
     def load(self, engine_factory: Callable[[], Engine]) -> None:
         engine = engine_factory()
         model = engine.model
-        piece = lambda t: model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
+        # A vocabulary without BOS or EOS reports -1 for it: no text.
+        piece = lambda t: (model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
+                           if t >= 0 else "")
         try:
             template = ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
                                     eos_token=piece(model.eos_token))
@@ -76,6 +78,8 @@ class AppState:
         if self.engine is None:
             message = self.load_error or "the model is loading"
             raise APIError(503, message, type="server_error", code="model_not_ready")
+        if self.engine.failure:
+            raise APIError(503, self.engine.failure, type="server_error", code="engine_failed")
         return self.engine
 
     def token(self, token: int) -> Token:
@@ -191,14 +195,17 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     streams = []
     try:
         for i in range(n):
-            # n choices with one seed must still differ from each other.
-            params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
-            streams.append(engine.submit(prompt, params, f"{fmt.request_id}-{i}",
+            streams.append(engine.submit(prompt, sampling.for_choice(i), f"{fmt.request_id}-{i}",
                                          on_end=state.sequence_ended, cache_prompt=cache_prompt))
-    except PromptTooLongError as exc:
+    except BaseException as exc:  # nothing submitted may decode on with nobody reading it
         for s in streams:
             s.abort()
-        raise APIError(400, str(exc), code="context_length_exceeded", param="prompt") from exc
+        if isinstance(exc, PromptTooLongError):
+            raise APIError(400, str(exc), code="context_length_exceeded",
+                           param="prompt") from exc
+        if isinstance(exc, EngineStoppedError):
+            raise APIError(503, str(exc), type="server_error", code="engine_stopped") from exc
+        raise
     generation = Generation(streams, fmt)
     if stream:
         await until_disconnect(request, generation.first_event())

@@ -367,3 +367,15 @@ def test_detokenize():
     assert parse_detokenize({"tokens": []}) == []
     for tokens in (None, "1 2", [1, -1], [True], [1.0], [2**31]):
         rejects(lambda: parse_detokenize({"tokens": tokens}), "tokens")
+
+
+def test_seed_space_is_llama_cpps_and_n_choices_wrap_within_it():
+    from cllm.config import MAX_SEED
+    assert MAX_SEED == 2**32 - 2  # 2**32 - 1 is llama.cpp's "random"
+    assert SamplingParams(seed=-1).seed is None  # llama-server's "random"
+    for outside in (2**32 - 1, 2**63, -2):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=outside)
+    last = SamplingParams(seed=MAX_SEED)
+    assert [last.for_choice(i).seed for i in range(3)] == [MAX_SEED, 0, 1]
+    assert SamplingParams().for_choice(5).seed is None

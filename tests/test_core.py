@@ -290,3 +290,9 @@ def test_gemma3_generates(gemma_path):
     assert "Berlin" in gemma.detokenize(out[0])
     assert "Thursday" in gemma.detokenize(out[1])
     assert gctx.kv_cells_used() == 0
+
+
+@pytest.mark.parametrize("token", [-1, -100, 10**6])
+def test_a_token_id_outside_the_vocabulary_is_a_value_error(model, token):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.token_to_piece(token)

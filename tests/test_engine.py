@@ -7,7 +7,7 @@ import pytest
 
 from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
-from cllm.engine import Engine, PromptTooLongError
+from cllm.engine import Engine, EngineStoppedError, PromptTooLongError
 from cllm.prefix_cache import common_prefix
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
@@ -400,3 +400,103 @@ def test_greedy_text_is_the_same_cached_or_computed_and_whatever_runs_beside_it(
         assert [text for text, _ in warm_cache] == alone
     finally:
         eng.shutdown()
+
+
+# ---- failures, injected ----
+
+class FaultyContext:
+    """The engine's llama.cpp context, whose next `step` raises `fault` once."""
+
+    def __init__(self, ctx, fault):
+        self._ctx, self.fault = ctx, fault
+
+    def step(self, *args):
+        fault, self.fault = self.fault, None
+        if fault is not None:
+            raise fault
+        return self._ctx.step(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+def test_kv_full_during_a_step_preempts_and_every_request_still_completes(model_path):
+    eng = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_threads=2, kv_unified=True),
+                 model_path)
+    try:
+        eng.ctx = FaultyContext(eng.ctx, _core.KVCacheFullError(1, "injected"))
+        results = asyncio.run(run_many(eng, PROMPTS[:4], 4, max_tokens=8, temperature=0,
+                                       ignore_eos=True))
+        assert [final.completion_tokens for _, _, final in results] == [8] * 4
+        assert eng.scheduler.num_preemptions == 1
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_decode_ends_its_batch_with_an_error_and_the_engine_goes_on(model_path):
+    eng = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_threads=2, kv_unified=True),
+                 model_path)
+    try:
+        eng.ctx = FaultyContext(eng.ctx, _core.DecodeError(-3, "injected"))
+        results = asyncio.run(run_many(eng, PROMPTS[:2], 2, max_tokens=4, temperature=0,
+                                       ignore_eos=True))
+        failed = [final for _, _, final in results if final.finish_reason == "error"]
+        assert failed and all("injected" in final.error for final in failed)
+        # A request that was not in the failed batch (if the second came a step later) ends well.
+        assert all(final.finish_reason == FINISH_LENGTH for _, _, final in results
+                   if final.finish_reason != "error")
+        _, tokens, final = asyncio.run(run(eng, PROMPTS[2], max_tokens=4, temperature=0,
+                                           ignore_eos=True))
+        assert final.finish_reason == FINISH_LENGTH and len(tokens) == 4
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_dead_engine_ends_its_requests_and_refuses_new_ones(model_path):
+    eng = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_threads=2), model_path)
+    try:
+        def broken(now):
+            raise RuntimeError("injected scheduler bug")
+        eng.scheduler.schedule = broken
+        _, _, final = asyncio.run(run(eng, PROMPTS[0], max_tokens=4))
+        assert final.finish_reason == "error" and "injected scheduler bug" in final.error
+        assert "injected scheduler bug" in eng.failure
+
+        async def submit_again():
+            eng.submit(eng.model.tokenize(PROMPTS[1]), SamplingParams(max_tokens=2))
+        with pytest.raises(EngineStoppedError):
+            asyncio.run(submit_again())
+    finally:
+        eng.shutdown()
+
+
+def test_a_stop_string_inside_a_decode_run_counts_no_token_past_it(model_path, engine):
+    """Decode runs of 8 steps stop where single steps stop: the same text and token count."""
+    prompt = engine.model.tokenize("Count from one to twenty: one, two, three,")
+    text, tokens, _ = asyncio.run(run_tokens_full(engine, prompt, max_tokens=30))
+    stop = text[len(text) // 2:len(text) // 2 + 6]
+    assert stop.strip()
+    _, one_step, final_one = asyncio.run(run_tokens_full(engine, prompt, max_tokens=30, stop=[stop]))
+    runs = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=False,
+                               decode_steps=8), model_path)
+    try:
+        text_runs, in_runs, final_runs = asyncio.run(
+            run_tokens_full(runs, prompt, max_tokens=30, stop=[stop]))
+        assert final_runs.finish_reason == final_one.finish_reason == FINISH_STOP
+        assert in_runs == one_step and final_runs.completion_tokens == len(one_step) < 30
+        assert stop not in text_runs
+        assert_idle(runs)
+    finally:
+        runs.shutdown()
+
+
+async def run_tokens_full(engine, tokens, **sampling):
+    """(text, token ids, final delta) of one greedy request for `tokens`."""
+    stream = engine.submit(tokens, SamplingParams(temperature=0, **sampling))
+    text, ids = "", []
+    async for delta in stream:
+        text += delta.text
+        ids += delta.token_ids
+    return text, ids, delta

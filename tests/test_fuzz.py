@@ -63,7 +63,7 @@ sampling = {
     "top_p": mostly(st.floats(min_value=0, max_value=1)),
     "top_k": mostly(st.integers(min_value=0, max_value=100)),
     "min_p": mostly(st.floats(min_value=0, max_value=1)),
-    "seed": mostly(st.integers(min_value=0, max_value=2**64 - 1)),
+    "seed": mostly(st.integers(min_value=-1, max_value=2**32 - 2)),
     "stop": mostly(texts.filter(bool), st.lists(texts.filter(bool), max_size=4)),
     "stream": mostly(st.booleans()),
     "ignore_eos": mostly(st.booleans()),

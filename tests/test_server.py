@@ -981,3 +981,18 @@ def test_metrics_count_prefix_cache_lookups_and_hits(http):
     assert looked_up == 2 * n_tokens(http, prompt)
     assert found >= n_tokens(http, prompt) - 64
     assert after["cllm_prefix_cache_cells"] > 0
+
+
+def test_a_failed_engine_turns_every_route_and_health_to_503():
+    from types import SimpleNamespace
+
+    from cllm.api import APIError
+    from cllm.config import ServerConfig
+    from cllm.server import AppState
+
+    state = AppState(ServerConfig(), MODEL)
+    state.engine = SimpleNamespace(failure="the engine failed: RuntimeError: injected")
+    with pytest.raises(APIError) as raised:
+        state.require_engine()  # what /health and every model route call first
+    assert raised.value.status == 503 and raised.value.code == "engine_failed"
+    assert "injected" in raised.value.message
