@@ -381,6 +381,22 @@ cdef class Context:
             llama_sampler_free(self.chains[seq_id])
             self.chains[seq_id] = NULL
 
+    def park_sampler(self, int seq_id):
+        """Take `seq_id`'s sampler out with its state (a seeded generator's position, the
+        penalties' history), for a preempted sequence to resume with: `restore_sampler` puts it
+        back, in whichever slot the sequence gets next."""
+        self._check_seq(seq_id)
+        cdef ParkedSampler parked = ParkedSampler.__new__(ParkedSampler)
+        parked.chain, parked.ban_eog = self.chains[seq_id], self.ban_eog[seq_id]
+        self.chains[seq_id], self.ban_eog[seq_id] = NULL, 0
+        return parked
+
+    def restore_sampler(self, int seq_id, ParkedSampler parked):
+        self._check_seq(seq_id)
+        self._free_chain(seq_id)
+        self.chains[seq_id], self.ban_eog[seq_id] = parked.chain, parked.ban_eog
+        parked.chain = NULL
+
     def remove_sequence(self, int seq_id):
         """Free every KV cell of `seq_id` and its sampler, so the id can start a new sequence."""
         self._check_seq(seq_id)
@@ -735,6 +751,16 @@ cdef class _Pieces:
 
 cdef carray.array _ones(Py_ssize_t n):
     return array("i", [1]) * n
+
+
+cdef class ParkedSampler:
+    """A sequence's sampler while it is preempted (Context.park_sampler); freed if unused."""
+    cdef llama_sampler * chain
+    cdef unsigned char ban_eog
+
+    def __dealloc__(self):
+        if self.chain is not NULL:
+            llama_sampler_free(self.chain)
 
 
 cdef class Logprobs:

@@ -294,8 +294,17 @@ class Engine:
 
     def _free_released(self) -> None:
         self._apply_kv_ops(self.scheduler.take_kv_ops())
-        for seq_id in self.scheduler.take_released():
-            self.ctx.end_sequence(seq_id)
+        self._settle_released(self.scheduler.take_released())
+
+    def _settle_released(self, released) -> None:
+        """Samplers of sequences that left their slots: an ended one's goes, a preempted one's
+        is kept, so that its random stream goes on where it stopped when it resumes."""
+        for slot, seq in released:
+            live = self._live.get(seq)
+            if live is not None and not seq.is_finished:
+                live.sampler = self.ctx.park_sampler(slot)
+            else:
+                self.ctx.end_sequence(slot)
 
     def _apply_kv_ops(self, ops) -> None:
         for op in ops:
@@ -305,10 +314,14 @@ class Engine:
                 self.ctx.share_prefix(op.dst, op.src, op.length)
 
     def _prepare_sequences(self, out: SchedulerOutput) -> None:
-        for seq_id in out.released:  # timed out or preempted while planning this step
-            self.ctx.end_sequence(seq_id)
+        self._settle_released(out.released)  # timed out or preempted while planning this step
         self._apply_kv_ops(out.kv_ops)  # cache evictions and the started sequences' prefixes
         for seq in out.started:
+            live = self._live[seq]
+            if live.sampler is not None:  # resuming after preemption
+                self.ctx.restore_sampler(seq.seq_id, live.sampler)
+                live.sampler = None
+                continue
             p = seq.sampling
             self.ctx.set_sampler(
                 seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
@@ -438,6 +451,7 @@ class _Live:
     text: TextStream
     pending: list[int] = field(default_factory=list)  # token ids not yet delivered
     logprobs: list[TokenLogprob] | None = None
+    sampler: object | None = None  # its parked sampler while it is preempted
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         taken, self.logprobs = self.logprobs, ([] if self.logprobs is not None else None)

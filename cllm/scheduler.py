@@ -32,7 +32,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     started: list[Sequence] = field(default_factory=list)  # took a seq id this step
-    released: list[int] = field(default_factory=list)      # seq ids whose sequences ended
+    released: list[tuple[int, Sequence]] = field(default_factory=list)  # (slot, sequence) that
+    # left it: ended, or preempted (then its sampler moves with it)
     kv_ops: list[KvOp] = field(default_factory=list)       # KV changes to make before decoding
     expired: list[Sequence] = field(default_factory=list)  # timed out since the last step
 
@@ -75,7 +76,7 @@ class Scheduler:
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
         self._step_cells = 0  # cells the step being planned will fill
         self.num_preemptions = 0
-        self._released: list[int] = []
+        self._released: list[tuple[int, Sequence]] = []
         self._kv_ops: list[KvOp] = []
 
     @property
@@ -120,8 +121,9 @@ class Scheduler:
         out.kv_ops = self.take_kv_ops()
         return out
 
-    def take_released(self) -> list[int]:
-        """Seq ids whose sequences ended since the last call (their samplers can go)."""
+    def take_released(self) -> list[tuple[int, Sequence]]:
+        """(slot, sequence) for each sequence that left its slot since the last call: ended
+        (its sampler can go) or preempted (its sampler waits for it)."""
         released, self._released = self._released, []
         return released
 
@@ -215,7 +217,7 @@ class Scheduler:
         # either, once it ends.
         keep = seq.cache_prompt or not ending
         self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens), keep)
-        self._released.append(seq.seq_id)
+        self._released.append((seq.seq_id, seq))
         seq.seq_id = None
 
     def room_for_run(self, n_rows: int, n_steps: int) -> int:

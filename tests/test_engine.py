@@ -405,14 +405,15 @@ def test_greedy_text_is_the_same_cached_or_computed_and_whatever_runs_beside_it(
 # ---- failures, injected ----
 
 class FaultyContext:
-    """The engine's llama.cpp context, whose next `step` raises `fault` once."""
+    """The engine's llama.cpp context, whose `step` raises `fault` once, after `after` steps."""
 
-    def __init__(self, ctx, fault):
-        self._ctx, self.fault = ctx, fault
+    def __init__(self, ctx, fault, after=0):
+        self._ctx, self.fault, self.after = ctx, fault, after
 
     def step(self, *args):
-        fault, self.fault = self.fault, None
-        if fault is not None:
+        self.after -= 1
+        if self.after < 0 and self.fault is not None:
+            fault, self.fault = self.fault, None
             raise fault
         return self._ctx.step(*args)
 
@@ -493,10 +494,27 @@ def test_a_stop_string_inside_a_decode_run_counts_no_token_past_it(model_path, e
 
 
 async def run_tokens_full(engine, tokens, **sampling):
-    """(text, token ids, final delta) of one greedy request for `tokens`."""
-    stream = engine.submit(tokens, SamplingParams(temperature=0, **sampling))
+    """(text, token ids, final delta) of one request for `tokens`, greedy unless told."""
+    stream = engine.submit(tokens, SamplingParams(**{"temperature": 0, **sampling}))
     text, ids = "", []
     async for delta in stream:
         text += delta.text
         ids += delta.token_ids
     return text, ids, delta
+
+
+def test_a_preempted_seeded_request_samples_what_it_would_have_alone(model_path, engine):
+    """Its sampler, with its random generator's state, waits for it while it is preempted."""
+    prompt = engine.model.tokenize(PROMPTS[5])
+    sampling = dict(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = asyncio.run(run_tokens_full(engine, prompt, **sampling))[1]
+    eng = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=False),
+                 model_path)
+    try:
+        eng.ctx = FaultyContext(eng.ctx, _core.KVCacheFullError(1, "injected"), after=6)
+        preempted = asyncio.run(run_tokens_full(eng, prompt, **sampling))[1]
+        assert eng.scheduler.num_preemptions == 1
+        assert preempted == alone
+        assert_idle(eng)
+    finally:
+        eng.shutdown()

@@ -167,7 +167,7 @@ def test_abort_frees_exactly_once():
     assert sched.finish(running, FINISH_ABORT, 1.0)
     assert not sched.finish(running, FINISH_ABORT, 1.0)
     assert sched.finish(waiting, FINISH_ABORT, 1.0)
-    assert sched.schedule(2.0).released == [seq_id]
+    assert sched.schedule(2.0).released == [(seq_id, running)]
     assert sched.schedule(3.0).released == []
     assert_only_cache_left(sched)
     assert not sched.has_work
@@ -193,7 +193,7 @@ def test_deadline_times_out_running_and_waiting():
     assert out.chunks == []
     assert first.finish_reason == second.finish_reason == FINISH_TIMEOUT
     assert out.expired == [first, second]
-    assert out.released == [0] and live_slots(sched) == []
+    assert out.released == [(0, first)] and live_slots(sched) == []
 
 
 def test_thousand_sequences_leave_nothing_behind():
