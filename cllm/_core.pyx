@@ -663,12 +663,14 @@ cdef class Context:
         return 0
 
 
-# With aligned_prefill (split streams on a CPU), prompts are decoded in pieces aligned to this
-# many positions, each piece in a llama_decode of its own: a piece of whole blocks, then the rest. So a prompt token's rows go
+# With aligned_prefill (split streams on a CPU), a prompt's whole blocks of this many positions
+# are decoded in a llama_decode of their own, and the rest of it with the step's other short
+# pieces. ggml's CPU flash attention computes 64 query rows or more of a stream together, in
+# tiles (GGML_FA_TILE_Q is 64), and fewer one row at a time; llama.cpp cuts a batch of several
+# streams into micro-batches at places that depend on the other streams. So a prompt token goes
 # through the same kernels whether its prefix came from the prefix cache (which reuses whole
-# blocks) or was computed with it, and whatever else is in the step: with fewer than 64 query
-# rows, ggml's CPU flash attention takes another path (GGML_FA_TILE_Q is 64), and one batch's
-# rows of several streams are split by llama.cpp at other places.
+# blocks, or any part of a last partial block: see PrefixCache) or was computed with it, and
+# whatever else is in the step.
 PREFILL_BLOCK = 64
 
 
@@ -720,22 +722,26 @@ cdef class _Pieces:
         free(self.row_first)
 
     cdef void _plan_split(self, const int[::1] positions, const int[::1] n_tokens):
-        cdef int r, whole
-        for r in range(self.n_rows):  # the decodes together
-            if n_tokens[r] == 1:
-                self._add(r, 0, 1)
-        self._end_call()
+        """Each row's whole blocks in a call of their own (ggml's tiled attention, whose result
+        depends on which rows share a tile), then one call for the rest: decodes and the pieces
+        short of a block, whose rows ggml computes one by one, whatever else is in the call."""
+        cdef int r
+        cdef int * whole = <int *> malloc(self.n_rows * sizeof(int))
+        if whole is NULL:
+            raise MemoryError()
         for r in range(self.n_rows):
-            if n_tokens[r] == 1:
-                continue
-            whole = (positions[r] + n_tokens[r]) // PREFILL_BLOCK * PREFILL_BLOCK - positions[r]
-            if positions[r] % PREFILL_BLOCK == 0 and 0 < whole < n_tokens[r]:
-                self._add(r, 0, whole)
+            whole[r] = 0
+            if positions[r] % PREFILL_BLOCK == 0:
+                whole[r] = ((positions[r] + n_tokens[r]) // PREFILL_BLOCK * PREFILL_BLOCK
+                            - positions[r])
+            if whole[r] > 0:
+                self._add(r, 0, whole[r])
                 self._end_call()
-                self._add(r, whole, n_tokens[r] - whole)
-            else:
-                self._add(r, 0, n_tokens[r])
-            self._end_call()
+        for r in range(self.n_rows):
+            if whole[r] < n_tokens[r]:
+                self._add(r, whole[r], n_tokens[r] - whole[r])
+        self._end_call()
+        free(whole)
 
     cdef void _add(self, int r, int offset, int length):
         self.row[self.n_pieces] = r

@@ -28,6 +28,7 @@ class Run:
 class Slot:
     id: int
     tokens: list[int] = field(default_factory=list)  # the tokens at positions 0.. in its KV
+    prompt_length: int = 0  # how many of them were its sequence's prompt
     runs: list[Run] = field(default_factory=list)     # the cell groups behind those positions
     live: bool = False      # a running sequence writes it
     last_used: int = 0      # a clock tick, for least-recently-used eviction
@@ -71,8 +72,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class PrefixCache:
     """Slots, what each holds, and the cells used. `shared_cells`: slots can share cells (one
-    unified KV pool); otherwise sharing a prefix copies it (split streams). A reused prefix is
-    a whole number of `block`s (the core decodes prompts in aligned blocks: _core.PREFILL_BLOCK)."""
+    unified KV pool); otherwise sharing a prefix copies it (split streams). With a `block` > 1
+    the core decodes prompts in aligned blocks (_core.PREFILL_BLOCK), and a reused prefix ends
+    where the new prompt, computed alone, would have the same cells: on a block boundary, or
+    inside the last partial block of both prompts, which are computed row by row."""
 
     # A slot's own prefix is reused in place when it covers at least this share of the slot;
     # below, the new sequence takes an empty or stale slot and the old content stays cached.
@@ -106,14 +109,28 @@ class PrefixCache:
         if not self.enabled or limit <= 0:
             return None, 0
         for slot in self.slots:
-            held, usable = live_prefix(slot) if slot.live else (slot.tokens, slot.length)
+            if slot.live:
+                held, usable = live_prefix(slot)
+                prompt_length = len(held)
+            else:
+                held, usable, prompt_length = slot.tokens, slot.length, slot.prompt_length
             if usable == 0 or held[0] != tokens[0]:
                 continue
-            n = min(common_prefix(held, tokens), usable, limit) // self.block * self.block
+            n = self._reusable(min(common_prefix(held, tokens), usable, limit), prompt_length,
+                               len(tokens))
             # Ties go to an idle slot, which can be taken over without a copy.
             if n > best_len or (n == best_len and n and best.live and not slot.live):
                 best, best_len = slot, n
         return best, best_len
+
+    def _reusable(self, n: int, held_prompt: int, new_length: int) -> int:
+        """How much of a common prefix of `n` tokens to reuse, so that every reused cell is the
+        one the new sequence would compute (see the class)."""
+        whole = n // self.block * self.block
+        last_block = new_length // self.block * self.block  # where its last partial block starts
+        if whole == last_block and held_prompt // self.block * self.block == last_block:
+            return min(n, held_prompt)  # both prompts' row-by-row tail: cells alike
+        return whole
 
     def place(self, tokens: list[int], limit: int, live_prefix) -> Placement | None:
         """Choose a slot for a sequence of `tokens` that may reuse at most `limit` of them.
@@ -163,13 +180,15 @@ class PrefixCache:
             slot.own_group = run.group
         self.cells_used += n
 
-    def finish(self, slot: Slot, computed_tokens: list[int], keep: bool = True) -> list[KvOp]:
+    def finish(self, slot: Slot, computed_tokens: list[int], keep: bool = True,
+               prompt_length: int = 0) -> list[KvOp]:
         """The slot's sequence ended having computed `computed_tokens`: they stay cached (cells
         a decode wrote past them, for a sequence aborted meanwhile, are dropped), or are cleared
         at once when the cache is off or `keep` is false."""
         slot.live = False
         slot.last_used = next(self._clock)
         slot.tokens = computed_tokens
+        slot.prompt_length = min(prompt_length, len(computed_tokens))
         if not (self.enabled and keep):
             return self.evict(slot)
         slot.runs = _clip(slot.runs, len(computed_tokens))
@@ -178,7 +197,7 @@ class PrefixCache:
 
     def evict(self, slot: Slot) -> list[KvOp]:
         """Forget what an idle slot holds."""
-        slot.tokens, slot.runs, slot.own_group = [], [], None
+        slot.tokens, slot.runs, slot.own_group, slot.prompt_length = [], [], None, 0
         self._recount()
         return [KvOp("clear", slot.id)]
 

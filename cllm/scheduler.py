@@ -216,7 +216,8 @@ class Scheduler:
         # A request that asked not to use the cache (cache_prompt: false) leaves nothing in it
         # either, once it ends.
         keep = seq.cache_prompt or not ending
-        self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens), keep)
+        self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens), keep,
+                                          seq.num_prompt_tokens)
         self._released.append((seq.seq_id, seq))
         seq.seq_id = None
 

@@ -278,8 +278,8 @@ def test_default_kv_layout_is_split_on_a_cpu_and_one_pool_on_a_gpu(engine):
 
 def test_a_shared_prefix_is_computed_once(model_path):
     """8 concurrent requests share a document: it is prefilled once (7 report it cached, as far
-    as their prompts agree, in whole blocks), and a repeat of a whole prompt recomputes only
-    its last block."""
+    as their prompts agree, or to the last whole block where a CPU layout needs it), and a
+    repeat of a whole prompt recomputes only its last token."""
     prompts = [DOCUMENT + q for q in QUESTIONS]
     eng = Engine(EngineConfig(n_ctx=8 * 1024, n_parallel=8, n_threads=2), model_path)
     try:
@@ -291,13 +291,14 @@ def test_a_shared_prefix_is_computed_once(model_path):
                                                      temperature=0) for t in token_lists))
         results = asyncio.run(together())
         block = eng.scheduler.prefill_block
-        shared = min(common_prefix(token_lists[0], t) for t in token_lists[1:]) // block * block
-        assert sorted(final.cached_tokens for _, final in results) == [0] + [shared] * 7
+        shared = min(common_prefix(token_lists[0], t) for t in token_lists[1:])
+        cached = sorted(final.cached_tokens for _, final in results)
+        assert cached[0] == 0 and all(shared // block * block <= n <= shared for n in cached[1:])
         assert all(final.completion_tokens == MAX_TOKENS or final.finish_reason == FINISH_STOP
                    for _, final in results)
         assert_idle(eng)
         _, final = asyncio.run(run_tokens(eng, token_lists[3], max_tokens=2, temperature=0))
-        assert final.cached_tokens == (len(token_lists[3]) - 1) // block * block
+        assert final.cached_tokens == len(token_lists[3]) - 1
         _, final = asyncio.run(run_tokens(eng, token_lists[3], cache_prompt=False, max_tokens=2,
                                           temperature=0))
         assert final.cached_tokens == 0

@@ -125,3 +125,18 @@ def test_counts_stay_exact_under_churn():
                 for pos in range(run.start, run.end)}
         assert cache.cells_used == len(held)
         assert all(slot.length == sum(r.end - r.start for r in slot.runs) for slot in cache.slots)
+
+
+def test_with_blocks_a_prefix_ends_on_a_block_or_in_both_prompts_last_partial_block():
+    cache = PrefixCache(4, shared_cells=False, block=64)
+    doc = list(range(1000, 1140))
+    held = doc + [1] * 10  # a 150-token prompt, then 10 generated tokens
+    slot = cache.place(held, 149, no_live).dst
+    cache.start(cache.place(held, 149, no_live))
+    cache.extend(slot, 0, 160)
+    cache.finish(slot, held + [7] * 10, prompt_length=150)
+    same_last_block = doc + [2] * 10  # 150 tokens: its last partial block starts at 128 too
+    assert cache.best_match(same_last_block, 149, no_live) == (slot, 140)
+    longer = doc + [2] * 160  # 300 tokens: 128..140 would be part of a whole block of it
+    assert cache.best_match(longer, 299, no_live) == (slot, 128)
+    assert cache.best_match(doc[:100] + [3] * 50, 149, no_live) == (slot, 64)
