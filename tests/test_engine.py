@@ -504,6 +504,7 @@ async def run_tokens_full(engine, tokens, **sampling):
     return text, ids, delta
 
 
+@ON_GPU_NOT_BATCH_INVARIANT
 def test_a_preempted_seeded_request_samples_what_it_would_have_alone(model_path, engine):
     """Its sampler, with its random generator's state, waits for it while it is preempted."""
     prompt = engine.model.tokenize(PROMPTS[5])
