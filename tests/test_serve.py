@@ -56,7 +56,8 @@ def test_bad_model_path_exits_with_one_line(tmp_path, content):
 def test_config_file_is_read_with_tomli_before_python_3_11(tmp_path, monkeypatch):
     """tomllib is new in 3.11; requires-python says 3.10, where tomli (its origin, the same API)
     stands in: a dependency there only."""
-    pyproject = serve.tomllib.loads((Path(serve.__file__).parent.parent / "pyproject.toml")
+    # The checkout's pyproject.toml: the package may be installed elsewhere (site-packages).
+    pyproject = serve.tomllib.loads((Path(__file__).parent.parent / "pyproject.toml")
                                     .read_text())
     (tomli,) = [Requirement(r) for r in pyproject["project"]["dependencies"]
                 if Requirement(r).name == "tomli"]
