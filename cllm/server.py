@@ -11,7 +11,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
