@@ -70,7 +70,6 @@ class Scheduler:
         self.eog_tokens = eog_tokens
         self.cache = PrefixCache(n_slots or max_seqs, shared_cells=shared_kv,
                                  enabled=prefix_cache, block=prefill_block)
-        self.prefill_block = prefill_block
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
@@ -331,7 +330,7 @@ class Scheduler:
     def _add_chunk(self, out: SchedulerOutput, seq: Sequence, length: int) -> int:
         start = seq.num_computed_tokens
         if start + length < seq.num_tokens:  # a chunk short of the end ends at a block's end
-            length = (start + length) // self.prefill_block * self.prefill_block - start
+            length = (start + length) // self.cache.block * self.cache.block - start
         if length <= 0:
             return 0
         out.chunks.append(ScheduledChunk(seq, start, length, start + length == seq.num_tokens))

@@ -33,12 +33,7 @@ def engine(model_path):
 
 async def run(engine, prompt, **sampling):
     """(text, token ids, final delta) of one request."""
-    stream = engine.submit(engine.model.tokenize(prompt), SamplingParams(**sampling))
-    text, tokens = "", []
-    async for delta in stream:
-        text += delta.text
-        tokens += delta.token_ids
-    return text, tokens, delta
+    return await run_tokens(engine, engine.model.tokenize(prompt), **sampling)
 
 
 async def run_many(engine, prompts, concurrency, **sampling):
@@ -263,11 +258,13 @@ QUESTIONS = [f"\nQuestion {i}: what happened in year {1900 + i}? Answer:" for i 
 
 
 async def run_tokens(engine, tokens, cache_prompt=True, **sampling):
+    """(text, token ids, final delta) of one request for `tokens`."""
     stream = engine.submit(tokens, SamplingParams(**sampling), cache_prompt=cache_prompt)
-    text = ""
+    text, ids = "", []
     async for delta in stream:
         text += delta.text
-    return text, delta
+        ids += delta.token_ids
+    return text, ids, delta
 
 
 def test_default_kv_layout_is_split_on_a_cpu_and_one_pool_on_a_gpu(engine):
@@ -290,16 +287,16 @@ def test_a_shared_prefix_is_computed_once(model_path):
             return await asyncio.gather(*(run_tokens(eng, t, max_tokens=MAX_TOKENS,
                                                      temperature=0) for t in token_lists))
         results = asyncio.run(together())
-        block = eng.scheduler.prefill_block
+        block = eng.scheduler.cache.block
         shared = min(common_prefix(token_lists[0], t) for t in token_lists[1:])
-        cached = sorted(final.cached_tokens for _, final in results)
+        cached = sorted(final.cached_tokens for _, _, final in results)
         assert cached[0] == 0 and all(shared // block * block <= n <= shared for n in cached[1:])
         assert all(final.completion_tokens == MAX_TOKENS or final.finish_reason == FINISH_STOP
-                   for _, final in results)
+                   for _, _, final in results)
         assert_idle(eng)
-        _, final = asyncio.run(run_tokens(eng, token_lists[3], max_tokens=2, temperature=0))
+        _, _, final = asyncio.run(run_tokens(eng, token_lists[3], max_tokens=2, temperature=0))
         assert final.cached_tokens == len(token_lists[3]) - 1
-        _, final = asyncio.run(run_tokens(eng, token_lists[3], cache_prompt=False, max_tokens=2,
+        _, _, final = asyncio.run(run_tokens(eng, token_lists[3], cache_prompt=False, max_tokens=2,
                                           temperature=0))
         assert final.cached_tokens == 0
         assert_idle(eng)
@@ -324,8 +321,8 @@ def test_a_long_prompt_evicts_cached_prefixes_and_nothing_live_is_lost(model_pat
             return await asyncio.gather(running, long)
 
         results = asyncio.run(long_beside_running())
-        assert [final.completion_tokens for _, final in results] == [60, 20]
-        assert [final.finish_reason for _, final in results] == [FINISH_LENGTH] * 2
+        assert [final.completion_tokens for _, _, final in results] == [60, 20]
+        assert [final.finish_reason for _, _, final in results] == [FINISH_LENGTH] * 2
         assert small.scheduler.num_preemptions == 0  # cached prefixes made the room
         still_cached = [small.scheduler.cache.best_match(doc[:300], 299, None)[1] == 299
                         for doc in docs]
@@ -394,11 +391,11 @@ def test_greedy_text_is_the_same_cached_or_computed_and_whatever_runs_beside_it(
             return await asyncio.gather(*(run_tokens(eng, t, max_tokens=40, temperature=0,
                                                      ignore_eos=True) for t in token_lists))
         cold_cache = asyncio.run(together())
-        assert sum(final.cached_tokens > 0 for _, final in cold_cache) == 7
+        assert sum(final.cached_tokens > 0 for _, _, final in cold_cache) == 7
         warm_cache = asyncio.run(together())
-        assert all(final.cached_tokens > 0 for _, final in warm_cache)
-        assert [text for text, _ in cold_cache] == alone
-        assert [text for text, _ in warm_cache] == alone
+        assert all(final.cached_tokens > 0 for _, _, final in warm_cache)
+        assert [text for text, _, _ in cold_cache] == alone
+        assert [text for text, _, _ in warm_cache] == alone
     finally:
         eng.shutdown()
 
@@ -477,15 +474,16 @@ def test_a_dead_engine_ends_its_requests_and_refuses_new_ones(model_path):
 def test_a_stop_string_inside_a_decode_run_counts_no_token_past_it(model_path, engine):
     """Decode runs of 8 steps stop where single steps stop: the same text and token count."""
     prompt = engine.model.tokenize("Count from one to twenty: one, two, three,")
-    text, tokens, _ = asyncio.run(run_tokens_full(engine, prompt, max_tokens=30))
+    text, tokens, _ = asyncio.run(run_tokens(engine, prompt, max_tokens=30, temperature=0))
     stop = text[len(text) // 2:len(text) // 2 + 6]
     assert stop.strip()
-    _, one_step, final_one = asyncio.run(run_tokens_full(engine, prompt, max_tokens=30, stop=[stop]))
+    _, one_step, final_one = asyncio.run(run_tokens(engine, prompt, max_tokens=30, temperature=0,
+                                                           stop=[stop]))
     runs = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=False,
                                decode_steps=8), model_path)
     try:
         text_runs, in_runs, final_runs = asyncio.run(
-            run_tokens_full(runs, prompt, max_tokens=30, stop=[stop]))
+            run_tokens(runs, prompt, max_tokens=30, temperature=0, stop=[stop]))
         assert final_runs.finish_reason == final_one.finish_reason == FINISH_STOP
         assert in_runs == one_step and final_runs.completion_tokens == len(one_step) < 30
         assert stop not in text_runs
@@ -494,27 +492,18 @@ def test_a_stop_string_inside_a_decode_run_counts_no_token_past_it(model_path, e
         runs.shutdown()
 
 
-async def run_tokens_full(engine, tokens, **sampling):
-    """(text, token ids, final delta) of one request for `tokens`, greedy unless told."""
-    stream = engine.submit(tokens, SamplingParams(**{"temperature": 0, **sampling}))
-    text, ids = "", []
-    async for delta in stream:
-        text += delta.text
-        ids += delta.token_ids
-    return text, ids, delta
-
 
 @ON_GPU_NOT_BATCH_INVARIANT
 def test_a_preempted_seeded_request_samples_what_it_would_have_alone(model_path, engine):
     """Its sampler, with its random generator's state, waits for it while it is preempted."""
     prompt = engine.model.tokenize(PROMPTS[5])
     sampling = dict(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
-    alone = asyncio.run(run_tokens_full(engine, prompt, **sampling))[1]
+    alone = asyncio.run(run_tokens(engine, prompt, **sampling))[1]
     eng = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=False),
                  model_path)
     try:
         eng.ctx = FaultyContext(eng.ctx, _core.KVCacheFullError(1, "injected"), after=6)
-        preempted = asyncio.run(run_tokens_full(eng, prompt, **sampling))[1]
+        preempted = asyncio.run(run_tokens(eng, prompt, **sampling))[1]
         assert eng.scheduler.num_preemptions == 1
         assert preempted == alone
         assert_idle(eng)
