@@ -501,7 +501,8 @@ cdef class Context:
         `ban_eog` never samples). The run
         ends early when every row has stopped, on `interrupt()`, or when the KV cache is full.
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
-        Raises DecodeError if a step fails (the tokens of that step are lost)."""
+        A step that fails ends the run with what the steps before it made, and leaves no cell of
+        its own behind; DecodeError if the first step fails."""
         cdef Py_ssize_t n_rows = seq_ids.shape[0]
         if (positions.shape[0] != n_rows or last_tokens.shape[0] != n_rows
                 or budgets.shape[0] != n_rows):
@@ -515,7 +516,11 @@ cdef class Context:
         with nogil:
             rc = self._run(seq_ids, positions, last_tokens, budgets, n_steps,
                            tokens.data.as_ints, counts.data.as_ints)
+        cdef Py_ssize_t r
         if rc != 0 and rc != 1:
+            for r in range(n_rows):
+                if counts[r]:  # the caller retries from there, one step at a time
+                    return tokens, counts
             raise DecodeError(rc, "invalid batch" if rc == -1 else "decode failed")
         return tokens, counts
 
@@ -555,6 +560,7 @@ cdef class Context:
             self.batch.n_tokens = <int32_t> n
             rc = llama_decode(self.ctx, self.batch)
             if rc != 0:
+                self._forget_step(n, rows, seq_ids, positions, counts)
                 break
             for i in range(n):
                 self.out_seq[i] = seq_ids[rows[i]]
@@ -566,6 +572,16 @@ cdef class Context:
                 counts[r] += 1
         free(rows)
         return rc
+
+    cdef void _forget_step(self, Py_ssize_t n, const int * rows, const int[::1] seq_ids,
+                           const int[::1] positions, const int * counts) noexcept nogil:
+        """Remove what a failed step wrote: llama.cpp rolls back only its last micro-batch."""
+        cdef llama_memory_t mem = llama_get_memory(self.ctx)
+        cdef Py_ssize_t i
+        cdef int r
+        for i in range(n):
+            r = rows[i]
+            llama_memory_seq_rm(mem, seq_ids[r], positions[r] + counts[r], -1)
 
     cdef bint _continues(self, const int * row_tokens, int count, int budget) noexcept nogil:
         if count >= budget:

@@ -339,15 +339,45 @@ class Engine:
             victim = self.scheduler.preempt_newest(time.monotonic())
             log.info("KV cache full: preempted %s", victim.request_id if victim else None)
         except _core.DecodeError as exc:
-            self._fail(out, exc, outbox)
+            self._rewind(out)
+            if len(out.chunks) == 1:
+                self._fail(out, exc, outbox)
+            else:
+                self._step_each_alone(out, exc, outbox)
         return None
+
+    def _step_each_alone(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
+        """After a batch failed, decode its rows one by one, so that only the rows that fail on
+        their own (say, a prefill the GPU has no memory for) end with the error. Rare: a row
+        that sampled before its batch failed has advanced its sampler's random stream."""
+        log.warning("llama_decode failed for %d sequences (%s): decoding each alone",
+                    len(out.chunks), exc)
+        for chunk in out.chunks:
+            if chunk.seq not in self._live or chunk.seq.seq_id is None:  # ended or preempted
+                continue
+            single = SchedulerOutput(chunks=[chunk])
+            rows = StepRows.build(single)
+            result = self._decode(single, rows, outbox)
+            if result is not None:
+                now = time.monotonic()
+                self._emit(single, self._account_step(single, rows, result, now), now, outbox)
+
+    def _rewind(self, out: SchedulerOutput) -> None:
+        """Drop whatever a failed batch wrote (llama.cpp rolls back only its last micro-batch,
+        and a step may make several llama_decode calls), so each sequence's KV ends where the
+        scheduler's count of computed tokens does."""
+        for chunk in out.chunks:
+            if chunk.seq.seq_id is not None:
+                self.ctx.share_prefix(chunk.seq.seq_id, chunk.seq.seq_id, chunk.start)
 
     def _decode_run(self, out: SchedulerOutput, rows: RunRows, n_steps: int, outbox: _Outbox):
         try:
             return self.ctx.decode_run(rows.seq_ids, rows.positions, rows.last_tokens,
                                        rows.budgets, n_steps)
         except _core.DecodeError as exc:
-            self._fail(out, exc, outbox)
+            # Nobody fails here: the next step decodes one token each (a run that made no token
+            # is not retried), where _decode pins a failure on the rows that cause it.
+            log.warning("decode run failed for %d sequences: %s", len(out.chunks), exc)
         return None
 
     def _fail(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:

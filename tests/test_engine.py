@@ -403,17 +403,28 @@ def test_greedy_text_is_the_same_cached_or_computed_and_whatever_runs_beside_it(
 # ---- failures, injected ----
 
 class FaultyContext:
-    """The engine's llama.cpp context, whose `step` raises `fault` once, after `after` steps."""
+    """The engine's llama.cpp context, whose `method` raises `fault` on the calls whose
+    arguments `when` accepts: after `after` such calls, `times` times (-1: every time)."""
 
-    def __init__(self, ctx, fault, after=0):
-        self._ctx, self.fault, self.after = ctx, fault, after
+    def __init__(self, ctx, fault, after=0, times=1, method="step", when=lambda *args: True):
+        self._ctx, self.fault, self.after, self.times = ctx, fault, after, times
+        self.method, self.when = method, when
+
+    def _maybe_fail(self, method, args):
+        if method != self.method or self.times == 0 or not self.when(*args):
+            return
+        self.after -= 1
+        if self.after < 0:
+            self.times -= 1
+            raise self.fault
 
     def step(self, *args):
-        self.after -= 1
-        if self.after < 0 and self.fault is not None:
-            fault, self.fault = self.fault, None
-            raise fault
+        self._maybe_fail("step", args)
         return self._ctx.step(*args)
+
+    def decode_run(self, *args):
+        self._maybe_fail("decode_run", args)
+        return self._ctx.decode_run(*args)
 
     def __getattr__(self, name):
         return getattr(self._ctx, name)
@@ -433,21 +444,56 @@ def test_kv_full_during_a_step_preempts_and_every_request_still_completes(model_
         eng.shutdown()
 
 
-def test_a_failed_decode_ends_its_batch_with_an_error_and_the_engine_goes_on(model_path):
+def test_a_failed_decode_ends_its_request_with_an_error_and_the_engine_goes_on(model_path):
     eng = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_threads=2, kv_unified=True),
                  model_path)
     try:
         eng.ctx = FaultyContext(eng.ctx, _core.DecodeError(-3, "injected"))
-        results = asyncio.run(run_many(eng, PROMPTS[:2], 2, max_tokens=4, temperature=0,
-                                       ignore_eos=True))
-        failed = [final for _, _, final in results if final.finish_reason == "error"]
-        assert failed and all("injected" in final.error for final in failed)
-        # A request that was not in the failed batch (if the second came a step later) ends well.
-        assert all(final.finish_reason == FINISH_LENGTH for _, _, final in results
-                   if final.finish_reason != "error")
+        _, tokens, final = asyncio.run(run(eng, PROMPTS[0], max_tokens=4))
+        assert final.finish_reason == "error" and "injected" in final.error and tokens == []
         _, tokens, final = asyncio.run(run(eng, PROMPTS[2], max_tokens=4, temperature=0,
                                            ignore_eos=True))
         assert final.finish_reason == FINISH_LENGTH and len(tokens) == 4
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_row_that_fails_its_batch_fails_alone_and_the_others_go_on(model_path, alone):
+    """A decode that fails whenever one long prefill is in the batch (as a GPU out of memory
+    for that prefill would) ends only that request; the rows beside it decode their own text."""
+    eng = Engine(EngineConfig(n_ctx=8 * 512, n_parallel=8, n_batch=512, n_threads=2,
+                              decode_steps=1, kv_unified=False), model_path)
+    try:
+        long_prefill = _core.DecodeError(-2, "injected: no memory for this prefill")
+        eng.ctx = FaultyContext(eng.ctx, long_prefill, times=-1,
+                                when=lambda seq_ids, positions, n_tokens, *_: max(n_tokens) > 200)
+
+        async def together():
+            short = [run(eng, p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+                     for p in PROMPTS[:3]]
+            return await asyncio.gather(run(eng, DOCUMENT, max_tokens=4), *short)
+        (_, tokens, final), *short = asyncio.run(together())
+        assert final.finish_reason == "error" and "no memory for this prefill" in final.error
+        assert tokens == []
+        assert [t for _, t, _ in short] == [t for _, t, _ in alone[:3]]
+        assert all(f.finish_reason == FINISH_LENGTH for _, _, f in short)
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_decode_run_loses_no_request(model_path, alone):
+    eng = Engine(EngineConfig(n_ctx=8 * 256, n_parallel=8, n_batch=512, n_threads=2,
+                              decode_steps=5, kv_unified=False), model_path)
+    try:
+        eng.ctx = FaultyContext(eng.ctx, _core.DecodeError(-3, "injected"), after=2,
+                                method="decode_run")
+        results = asyncio.run(run_many(eng, PROMPTS[:8], 8, max_tokens=MAX_TOKENS,
+                                       temperature=0, ignore_eos=True))
+        assert eng.ctx.times == 0  # the fault happened
+        assert [tokens for _, tokens, _ in results] == [tokens for _, tokens, _ in alone[:8]]
+        assert all(final.finish_reason == FINISH_LENGTH for _, _, final in results)
         assert_idle(eng)
     finally:
         eng.shutdown()
