@@ -116,6 +116,9 @@ class Scheduler:
         out.expired = self._expire(now)
         budget = self._schedule_running(out, self.token_budget, now)
         self._admit_waiting(out, budget, now)
+        # In slot order: llama.cpp splits a batch over split KV streams into micro-batches of
+        # consecutive seq ids in batch order, so any other order costs extra forward passes.
+        out.chunks.sort(key=lambda chunk: chunk.seq.seq_id)
         out.released = self.take_released()
         out.kv_ops = self.take_kv_ops()
         return out

@@ -44,16 +44,18 @@ def run_step(sched, now=0.0, token=7):
     return out
 
 
-def test_budget_is_never_exceeded_and_decodes_come_first():
-    sched = make_scheduler(max_seqs=16, budget=32)
+def test_budget_is_never_exceeded_decodes_come_first_and_rows_are_in_slot_order():
+    sched = make_scheduler(max_seqs=4, budget=32)
     for i in range(12):
-        sched.add(make_seq(20, max_tokens=50, name=f"s{i}"))
-    for step in range(40):
-        out = run_step(sched, now=step)
+        sched.add(make_seq(20, max_tokens=5 + 3 * i, name=f"s{i}"))
+    for step in range(120):
+        decoding = {s for s in sched.running if s.num_computed_tokens == s.num_tokens - 1}
+        out = sched.schedule(step)
         assert out.num_tokens <= 32
-        lengths = [c.length for c in out.chunks]
-        n_decode = sum(1 for c in out.chunks if c.length == 1 and c.seq.num_prompt_tokens < c.seq.num_tokens)
-        assert lengths[:n_decode] == [1] * n_decode  # decode rows lead the batch
+        assert decoding <= {c.seq for c in out.chunks if c.length == 1}  # no decode waits
+        slots = [c.seq.seq_id for c in out.chunks]
+        assert slots == sorted(slots)  # llama.cpp's micro-batches take consecutive seq ids
+        sched.postprocess(out, [7 if c.samples else -1 for c in out.chunks], step)
 
 
 def test_long_prompt_is_chunked_while_decodes_get_a_token_every_step():
