@@ -123,3 +123,39 @@ def test_http_round_trip_one_token(benchmark):
                                                                  timeout=60) as client:
         body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
         benchmark(lambda: client.post("/v1/completions", json=body).raise_for_status())
+
+
+@pytest.mark.parametrize("n_running", [1, 8])
+def test_admission_to_first_token(benchmark, n_running):
+    """From submit to a new request's first token while `n_running` others decode: the inbox,
+    the next step's schedule, its prefill, and the delta back on the event loop."""
+    engine = Engine(EngineConfig(n_ctx=16 * 1024, n_parallel=16), str(resolve_model()))
+    loop = asyncio.new_event_loop()
+    questions = (f"Question {i}: what is {i} times {i % 9}? Answer:" for i in range(10_000))
+
+    async def drain(stream):
+        async for _ in stream:
+            pass
+
+    async def start_background():
+        sampling = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+        return [engine.submit(engine.model.tokenize(next(questions)), sampling)
+                for _ in range(n_running)]
+
+    async def first_token():
+        stream = engine.submit(engine.model.tokenize(next(questions)),
+                               SamplingParams(max_tokens=1, temperature=0))
+        async for delta in stream:
+            assert delta.token_ids or delta.finish_reason
+
+    background = loop.run_until_complete(start_background())
+    drains = [loop.create_task(drain(stream)) for stream in background]
+    try:
+        benchmark.pedantic(lambda: loop.run_until_complete(first_token()), rounds=20,
+                           warmup_rounds=2)
+    finally:
+        for stream in background:
+            stream.abort()
+        loop.run_until_complete(asyncio.gather(*drains))
+        loop.close()
+        engine.shutdown()
