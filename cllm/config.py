@@ -4,6 +4,7 @@ Values are checked here, with ValueError naming the field, so every layer can tr
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 MAX_STOP_STRINGS = 16
@@ -83,7 +84,8 @@ class EngineConfig:
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
     n_batch: int = 512
     n_ubatch: int = 512
-    n_threads: int = 0  # 0: all cores
+    n_threads: int = 0  # 0: every core this process may use
+    cpu_wait: str = "auto"  # how CPU threads wait for each other: see apply_cpu_wait
     n_gpu_layers: int = -1  # -1: every layer the GPU build can take
     flash_attn: str = "auto"
     max_queue: int = 1024
@@ -100,6 +102,9 @@ class EngineConfig:
             raise ValueError(f"flash_attn must be auto, on or off, got {self.flash_attn!r}")
         if self.request_timeout <= 0:
             raise ValueError("request_timeout must be positive")
+        if self.cpu_wait not in CPU_WAIT_MODES:
+            raise ValueError(f"cpu_wait must be one of {', '.join(CPU_WAIT_MODES)}, "
+                             f"got {self.cpu_wait!r}")
 
 
 @dataclass(slots=True)
@@ -121,3 +126,34 @@ class ServerConfig:
         for name in ("template_timeout", "client_timeout", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+
+
+CPU_WAIT_MODES = ("auto", "spin", "sleep")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def apply_cpu_wait(mode: str, n_threads: int) -> str:
+    """Choose how llama.cpp's CPU threads (OpenMP) wait at the barriers between operations.
+
+    spin: busy-wait a while (libgomp's default), the fastest on an idle machine; but when the threads take every
+    core, any other busy process preempts one of them and the rest spin through its time slice:
+    a step became ~10x slower beside a competing load (ARCHITECTURE.md). sleep: wait in the
+    kernel, slower by a few percent at 8 rows and up to a third at one row on an idle machine,
+    graceful under load. auto: sleep when the threads take every usable core, else spin.
+    OpenMP reads this once, when llama.cpp loads, so call it before that; a policy the user put
+    in the environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT) wins. Returns the mode in effect."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return "environment"
+    if mode == "auto":
+        cores = usable_cores()
+        mode = "sleep" if n_threads <= 0 or n_threads >= cores else "spin"
+    if mode == "sleep":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return mode  # spin: libgomp's own default, as llama.cpp's tools run

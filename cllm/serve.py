@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cllm.config import EngineConfig, ServerConfig
+from cllm.config import EngineConfig, ServerConfig, apply_cpu_wait
 from cllm.models import resolve_model
 
 
@@ -42,7 +42,11 @@ OPTIONS = {
                      "start requests from cached KV of the prompt prefixes they share"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
     "ubatch_size": (int, _ENGINE.n_ubatch, "tokens per llama.cpp micro-batch"),
-    "threads": (int, _ENGINE.n_threads, "CPU threads (0: all cores)"),
+    "threads": (int, _ENGINE.n_threads, "CPU threads (0: every usable core)"),
+    "cpu_wait": (str, _ENGINE.cpu_wait,
+                 "how CPU threads wait for each other: spin (fastest on an idle machine), sleep "
+                 "(graceful beside other busy processes), auto (sleep when --threads takes "
+                 "every core)"),
     "n_gpu_layers": (int, _ENGINE.n_gpu_layers, "layers offloaded to the GPU (-1: all)"),
     "flash_attn": (str, _ENGINE.flash_attn, "flash attention: on, off or auto"),
     "api_key": (str, _SERVER.api_key, "require 'Authorization: Bearer KEY' (all but /health); "
@@ -103,7 +107,8 @@ def build_config(options: dict) -> ServerConfig:
     engine = EngineConfig(
         model=options["model"], n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
-        n_threads=options["threads"], kv_unified=options["kv_unified"],
+        n_threads=options["threads"], cpu_wait=options["cpu_wait"],
+        kv_unified=options["kv_unified"],
         prefix_cache=options["prefix_cache"], n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"],
@@ -232,6 +237,8 @@ def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
 
 
 def serve(config: ServerConfig, model_path: Path) -> int:
+    mode = apply_cpu_wait(config.engine.cpu_wait, config.engine.n_threads)
+    logging.getLogger("cllm.serve").info("CPU threads wait by: %s", mode)
     from cllm.engine import Engine  # loads llama.cpp: after the arguments are known good
     from cllm.server import create_app
 

@@ -1,6 +1,7 @@
 """cllm.serve's options: flag over CLLM_ variable over TOML file over default, and bad values
 refused before anything loads, from flags and from a real process."""
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement  # pytest's own dependency
 
 from cllm import serve
-from cllm.config import EngineConfig
+from cllm.config import EngineConfig, apply_cpu_wait, usable_cores
 from server_process import ServerProcess
 
 
@@ -29,6 +30,7 @@ def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):
     (["--parallel", "0"], "n_parallel must be at least 1"),
     (["--flash-attn", "sometimes"], "flash_attn must be auto, on or off"),
     (["--request-timeout", "0"], "request_timeout must be positive"),
+    (["--cpu-wait", "yield"], "cpu_wait must be one of auto, spin, sleep"),
 ])
 def test_bad_values_exit_2_with_the_reason(argv, reason, capsys):
     assert serve.main(argv) == 2
@@ -98,3 +100,26 @@ def test_api_key_from_a_file_stays_out_of_the_process_list(tmp_path):
 def test_bad_api_key_files_exit_2(argv, reason, capsys):
     assert serve.main(argv) == 2
     assert reason in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_wait_policy(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+
+
+def test_cpu_threads_sleep_when_they_take_every_core(no_wait_policy):
+    assert apply_cpu_wait("auto", 0) == "sleep" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    os.environ.pop("OMP_WAIT_POLICY")
+    assert apply_cpu_wait("auto", usable_cores()) == "sleep"
+    os.environ.pop("OMP_WAIT_POLICY")
+    if usable_cores() > 1:  # a core to spare: spinning costs nobody else
+        assert apply_cpu_wait("auto", usable_cores() - 1) == "spin"
+        assert "OMP_WAIT_POLICY" not in os.environ
+    assert apply_cpu_wait("spin", 0) == "spin" and "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_wait_policy_in_the_environment_wins(no_wait_policy, monkeypatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert apply_cpu_wait("sleep", 0) == "environment"
+    assert "OMP_WAIT_POLICY" not in os.environ
