@@ -142,18 +142,26 @@ def usable_cores() -> int:
 def apply_cpu_wait(mode: str, n_threads: int) -> str:
     """Choose how llama.cpp's CPU threads (OpenMP) wait at the barriers between operations.
 
-    spin: busy-wait a while (libgomp's default), the fastest on an idle machine; but when the threads take every
-    core, any other busy process preempts one of them and the rest spin through its time slice:
-    a step became ~10x slower beside a competing load (ARCHITECTURE.md). sleep: wait in the
-    kernel, slower by a few percent at 8 rows and up to a third at one row on an idle machine,
-    graceful under load. auto: sleep when the threads take every usable core, else spin.
+    spin: libgomp's default, busy-waiting up to milliseconds; the fastest on an idle machine,
+    but when the threads take every core, any other busy process preempts one of them and the
+    rest spin through its time slice: a step became ~10x slower beside a competing load.
+    sleep: wait in the kernel at once; graceful under load, but a wake-up at each of the
+    hundreds of barriers of a step cost 28% of the tokens/s of one stream on an idle machine.
+    auto: when the threads take every usable core, spin briefly (GOMP_SPINCOUNT=3000, tens of
+    microseconds: longer than most waits of an idle step, far shorter than a time slice) and
+    then sleep; spin when a core is spare. ARCHITECTURE.md has the measurements.
     OpenMP reads this once, when llama.cpp loads, so call it before that; a policy the user put
-    in the environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT) wins. Returns the mode in effect."""
+    in the environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT) wins. Returns the policy in effect."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return "environment"
     if mode == "auto":
-        cores = usable_cores()
-        mode = "sleep" if n_threads <= 0 or n_threads >= cores else "spin"
+        if 0 < n_threads < usable_cores():
+            return "spin"
+        os.environ["GOMP_SPINCOUNT"] = str(BRIEF_SPIN)
+        return f"spin {BRIEF_SPIN}, then sleep"
     if mode == "sleep":
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return mode  # spin: libgomp's own default, as llama.cpp's tools run
+    return mode
+
+
+BRIEF_SPIN = 3000  # libgomp spin iterations before a thread sleeps (its default: 300,000)

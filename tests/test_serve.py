@@ -108,14 +108,17 @@ def no_wait_policy(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
 
 
-def test_cpu_threads_sleep_when_they_take_every_core(no_wait_policy):
-    assert apply_cpu_wait("auto", 0) == "sleep" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    os.environ.pop("OMP_WAIT_POLICY")
-    assert apply_cpu_wait("auto", usable_cores()) == "sleep"
-    os.environ.pop("OMP_WAIT_POLICY")
+def test_cpu_threads_spin_only_briefly_when_they_take_every_core(no_wait_policy):
+    assert apply_cpu_wait("auto", 0).startswith("spin 3000")
+    assert os.environ["GOMP_SPINCOUNT"] == "3000" and "OMP_WAIT_POLICY" not in os.environ
+    os.environ.pop("GOMP_SPINCOUNT")
+    assert apply_cpu_wait("auto", usable_cores()).startswith("spin 3000")
+    os.environ.pop("GOMP_SPINCOUNT")
     if usable_cores() > 1:  # a core to spare: spinning costs nobody else
         assert apply_cpu_wait("auto", usable_cores() - 1) == "spin"
-        assert "OMP_WAIT_POLICY" not in os.environ
+        assert "GOMP_SPINCOUNT" not in os.environ
+    assert apply_cpu_wait("sleep", 0) == "sleep" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    os.environ.pop("OMP_WAIT_POLICY")
     assert apply_cpu_wait("spin", 0) == "spin" and "OMP_WAIT_POLICY" not in os.environ
 
 
