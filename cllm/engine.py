@@ -166,6 +166,13 @@ class Engine:
         except EngineStoppedError:  # every sequence has ended already
             pass
 
+    def embedder(self, n_ctx: int, n_seq_max: int, pooling: str) -> _core.Embedder:
+        """A context of its own over this engine's model, for embeddings (cllm/embeddings.py):
+        it shares the weights, not the KV cache, and runs beside the engine thread."""
+        return _core.Embedder(self.model, n_ctx=min(n_ctx, self.model.n_ctx_train),
+                              n_seq_max=n_seq_max, n_threads=self.config.n_threads,
+                              pooling=pooling)
+
     def shutdown(self) -> None:
         """Finish every sequence with reason 'shutdown' and stop the engine thread."""
         self._stopping = True

@@ -22,6 +22,7 @@ from cllm import api
 from cllm.api import APIError
 from cllm.chat_template import ChatTemplate, TemplateRenderer
 from cllm.config import SamplingParams, ServerConfig
+from cllm.embedder import Embeddings
 from cllm.engine import Delta, Engine, EngineStoppedError, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
 from cllm.generation import Generation, SequenceFailure, failure
@@ -43,6 +44,7 @@ class AppState:
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.renderer: TemplateRenderer | None = None
+        self.embeddings: Embeddings | None = None
         self.load_error: str | None = None
         self.stopping = False
 
@@ -62,6 +64,7 @@ class AppState:
         self.renderer = TemplateRenderer(template, timeout=self.config.template_timeout)
         self.metrics.watch(engine)
         self.model_root = repo_id(model.metadata, self.config.engine.model) or self.model_name
+        self.embeddings = Embeddings(engine)
         self.engine = engine
 
     async def stop(self) -> None:
@@ -430,7 +433,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         await state.stop()
 
     # Route modules build on this one's plumbing: imported once it exists.
-    from cllm import anthropic, native, openai_responses
+    from cllm import anthropic, embeddings, native, openai_responses
 
     post = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["POST"])  # noqa: E731
     get = lambda path, fn: Route(path, guarded(fn), methods=["GET"])  # noqa: E731
@@ -441,6 +444,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         post("/tokenize", tokenize), post("/detokenize", detokenize),
         get("/health", health), get("/metrics", metrics),
         post("/completion", native.completion), get("/props", native.props),
+        post("/v1/embeddings", embeddings.embeddings),
         post("/v1/responses", openai_responses.create_response),
         post("/v1/messages", anthropic.create_message, error_body=anthropic_error),
     ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
