@@ -131,6 +131,7 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self.failure: str | None = None  # why the engine thread died, if it did
+        self.tokens_generated = 0  # since start, counted as each step's tokens go out
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="cllm-engine", daemon=True)
         self._thread.start()
@@ -385,6 +386,7 @@ class Engine:
             if used < len(new_tokens):  # a stop string ended it inside a decode run
                 self.scheduler.drop_last_tokens(seq, len(new_tokens) - used)
                 new_tokens = new_tokens[:used]
+            self.tokens_generated += len(new_tokens)
             live.pending += new_tokens
             if live.text.stopped:
                 self.scheduler.finish(seq, FINISH_STOP, now)

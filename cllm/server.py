@@ -361,15 +361,17 @@ def _error_shape(path: str):
 
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>`, or `X-Api-Key: <key>` as Anthropic's clients send it, on
-    every route but /health, compared in constant time."""
+    every route but the public ones (/health, the chat page's files), compared in constant
+    time."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, public_paths: frozenset[str]) -> None:
         self.app = app
         self.key = api_key.encode()
         self.bearer = b"Bearer " + self.key
+        self.public_paths = public_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.public_paths:
             headers = dict(scope["headers"])
             bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
             key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
@@ -433,7 +435,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         await state.stop()
 
     # Route modules build on this one's plumbing: imported once it exists.
-    from cllm import anthropic, embeddings, native, openai_responses
+    from cllm import anthropic, embeddings, native, openai_responses, webui
 
     post = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["POST"])  # noqa: E731
     get = lambda path, fn: Route(path, guarded(fn), methods=["GET"])  # noqa: E731
@@ -447,9 +449,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         post("/v1/embeddings", embeddings.embeddings),
         post("/v1/responses", openai_responses.create_response),
         post("/v1/messages", anthropic.create_message, error_body=anthropic_error),
+        get("/", webui.page), get("/ui/{name}", webui.asset), get("/status", webui.status),
     ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
+                           public_paths=frozenset({"/health"}) | webui.PUBLIC_PATHS)
     elif config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
         app.add_middleware(HostCheckMiddleware, bound_host=config.host)
     return app
