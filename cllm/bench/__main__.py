@@ -102,15 +102,14 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
             if t.url:
                 t.model = t.model or await first_model(client, t.url)
                 t.send = HttpTarget(t.url, t.model, load, client).send
-        for i, (level, plan) in enumerate(zip(args.levels, plans(args))):
-            for repeat in range(args.runs):
-                # The order of servers flips from run to run so neither always runs first.
-                flip = (i * args.runs + repeat) % 2
-                for t in targets[::-1] if flip else targets:
-                    run = await _measure(t, level, plan, seed=i, slo=args.goodput)
-                    run["repeat"] = repeat
-                    data["runs"].append(run)
-                    _print_run(run)
+        levels = [(level, repeat) for level in args.levels for repeat in range(args.runs)]
+        for i, ((level, repeat), plan) in enumerate(zip(levels, plans(args))):
+            # The order of servers flips from run to run so neither always runs first.
+            for t in targets if i % 2 == 0 else targets[::-1]:
+                run = await _measure(t, level, plan, seed=i, slo=args.goodput)
+                run["repeat"] = repeat
+                data["runs"].append(run)
+                _print_run(run)
 
 
 async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,

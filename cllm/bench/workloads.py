@@ -75,12 +75,14 @@ class LevelPlan:
 
 
 def plans(args: argparse.Namespace) -> Iterator[LevelPlan]:
-    """One plan per concurrency level, in order. Each level gets its own prompts (seeded by
-    the level's position), so no level starts with what an earlier one left in a cache."""
+    """One plan per level and run (--runs), in order, a level's runs together. Each gets its
+    own prompts (seeded by its position), so none starts with what an earlier one left in a
+    cache."""
+    levels = [level for level in args.levels for _ in range(args.runs)]
     if args.workload == "standard":
-        yield from _standard(args)
+        yield from _standard(args, len(levels))
         return
-    for index, level in enumerate(args.levels):
+    for index, level in enumerate(levels):
         if args.workload == "multi-turn":
             yield _multi_turn(args, level.concurrency, seed=index)
             continue
@@ -106,15 +108,15 @@ def _sharegpt(args: argparse.Namespace, count: int, seed: int) -> list[Sized]:
     return [Sized(prompt, n_out) for prompt, n_out in pairs]
 
 
-def _standard(args: argparse.Namespace) -> Iterator[LevelPlan]:
+def _standard(args: argparse.Namespace, n_plans: int) -> Iterator[LevelPlan]:
     n_prompts = args.requests + args.warmup
     if args.prompt_tokens:
-        texts = prompt_sets.synthetic(args.prompt_tokens, n_prompts * len(args.levels))
+        texts = prompt_sets.synthetic(args.prompt_tokens, n_prompts * n_plans)
     elif args.prompt_file:
         texts = prompt_sets.from_file(args.prompt_file)
     else:
         texts = list(prompt_sets.DEFAULT_PROMPTS)
-    for index in range(len(args.levels)):
+    for index in range(n_plans):
         # A synthetic set has every prompt different; a short list cycles on from level to level.
         yield _split(prompt_sets.for_requests(texts, n_prompts, offset=index * n_prompts),
                      args.warmup)

@@ -137,6 +137,14 @@ def test_sharegpt_file(tmp_path):
         prompts.sharegpt_file(path)
 
 
+def test_each_run_of_a_level_gets_its_own_prompts():
+    """So a repeat does not find the previous run's prompts in the prefix cache."""
+    args = parse_args(["--url", "u", "--workload", "mixed", "--requests", "4", "--warmup", "0",
+                       "--concurrency", "1", "2", "--runs", "2"])
+    texts = [tuple(plan.prompts) for plan in plans(args)]
+    assert len(texts) == 4 and len(set(texts)) == 4
+
+
 def test_sharegpt_workload_sends_each_request_its_own_max_tokens():
     args = parse_args(["--url", "u", "--workload", "sharegpt", "--requests", "5",
                        "--warmup", "1", "--concurrency", "1", "2"])
