@@ -16,7 +16,7 @@ from cllm.engine import Delta
 from cllm.formats import Choice, Format, matched_stop
 from cllm.responses import anthropic_error
 from cllm.sequence import FINISH_LENGTH
-from cllm.server import AppState, _new_format, chat_prompt, read_json, respond
+from cllm.server import AppState, chat_prompt, new_format, read_json, respond
 
 @dataclass(slots=True)
 class MessagesRequest:
@@ -138,7 +138,7 @@ async def create_message(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
     prompt = await chat_prompt(state, engine, req.messages)
-    fmt = _new_format(MessagesFormat, request, "msg", req.sampling, n_prompt=len(prompt),
-                      stops=req.sampling.stop, is_eog=engine.model.is_eog,
-                      detokenize=engine.model.detokenize)
+    fmt = new_format(MessagesFormat, request, "msg", req.sampling, n_prompt=len(prompt),
+                     stops=req.sampling.stop, is_eog=engine.model.is_eog,
+                     detokenize=engine.model.detokenize)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False, True)

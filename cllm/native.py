@@ -17,7 +17,7 @@ from cllm.config import SamplingParams
 from cllm.engine import Delta
 from cllm.formats import Choice, Format, matched_stop
 from cllm.sequence import FINISH_LENGTH
-from cllm.server import AppState, _new_format, read_json, respond, tokenize_text
+from cllm.server import AppState, new_format, read_json, respond, tokenize_text
 
 # llama-server's sampling defaults (common_params_sampling), for fields a request leaves out.
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -149,9 +149,9 @@ async def completion(request: Request, state: AppState) -> Response:
     req = parse_completion(body, max_tokens_limit=engine.max_seq_len)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
         engine, req.prompt, add_special=True)
-    fmt = _new_format(NativeCompletionFormat, request, "cmpl", req.sampling, prompt=req.prompt,
-                      n_prompt=len(prompt), settings=req.sampling, is_eog=engine.model.is_eog,
-                      detokenize=engine.model.detokenize, return_tokens=req.return_tokens)
+    fmt = new_format(NativeCompletionFormat, request, "cmpl", req.sampling, prompt=req.prompt,
+                     n_prompt=len(prompt), settings=req.sampling, is_eog=engine.model.is_eog,
+                     detokenize=engine.model.detokenize, return_tokens=req.return_tokens)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
                          req.cache_prompt)
 

@@ -17,7 +17,7 @@ from cllm.config import SamplingParams
 from cllm.engine import Delta
 from cllm.formats import Choice, Format
 from cllm.sequence import FINISH_LENGTH
-from cllm.server import AppState, _new_format, chat_prompt, read_json, respond
+from cllm.server import AppState, chat_prompt, new_format, read_json, respond
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -170,6 +170,6 @@ async def create_response(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
     prompt = await chat_prompt(state, engine, req.messages)
-    fmt = _new_format(ResponsesFormat, request, "resp", req.sampling, settings=req.sampling,
-                      instructions=req.instructions)
+    fmt = new_format(ResponsesFormat, request, "resp", req.sampling, settings=req.sampling,
+                     instructions=req.instructions)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False, True)

@@ -227,8 +227,8 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     return JSONResponse(await until_disconnect(request, generation.collect()))
 
 
-def _new_format(cls, request: Request, prefix: str, sampling: SamplingParams,
-                **options) -> Format:
+def new_format(cls, request: Request, prefix: str, sampling: SamplingParams,
+               **options) -> Format:
     """A response format for one request; `options` go to the format's constructor."""
     state: AppState = request.app.state.cllm
     return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
@@ -266,8 +266,8 @@ async def completions(request: Request, state: AppState) -> Response:
                                max_tokens_limit=engine.max_seq_len)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
         engine, req.prompt, add_special=True)
-    fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling,
-                      prompt_token_ids=prompt if req.return_token_ids else None)
+    fmt = new_format(CompletionFormat, request, "cmpl", req.sampling,
+                     prompt_token_ids=prompt if req.return_token_ids else None)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
@@ -277,8 +277,8 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
     prompt = await chat_prompt(state, engine, req.messages)
-    fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling,
-                      prompt_token_ids=prompt if req.return_token_ids else None)
+    fmt = new_format(ChatFormat, request, "chatcmpl", req.sampling,
+                     prompt_token_ids=prompt if req.return_token_ids else None)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
@@ -288,7 +288,7 @@ async def generate(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
     prompt = await tokenize_text(engine, req.prompt, add_special=True)
-    fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
+    fmt = new_format(GenerateFormat, request, "gen", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
                          req.cache_prompt)
 
