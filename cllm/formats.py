@@ -1,4 +1,5 @@
-"""How each API (completions, chat, /generate) turns engine deltas into response bodies."""
+"""How each API turns engine deltas into response bodies: OpenAI's completions and chat and the
+original /generate here; the other APIs' formats live beside their routes."""
 from __future__ import annotations
 
 import codecs
@@ -65,9 +66,10 @@ class TextOffsets:
 
 
 class Format:
-    """Shared shape of the OpenAI formats; `token` shows a token id as logprobs name it. With
-    `prompt_token_ids`, responses carry them and each choice's token ids (vLLM's
-    return_token_ids)."""
+    """How one API shapes a response: whole (`response`), streamed (`chunks`, framed by `event`
+    and ended by `done_event`), and its errors. The defaults are OpenAI's. `token` shows a token
+    id as logprobs name it. With `prompt_token_ids`, responses carry them and each choice's
+    token ids (vLLM's return_token_ids)."""
     chat = False  # chunk objects are chat.completion.chunk rather than text_completion
 
     def __init__(self, request_id: str, model: str, created: int, token: Callable[[int], Token],
