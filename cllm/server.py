@@ -360,9 +360,9 @@ def _error_shape(path: str):
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>`, or `X-Api-Key: <key>` as Anthropic's clients send it, on
-    every route but the public ones (/health, the chat page's files), compared in constant
-    time."""
+    """`Authorization: Bearer <key>` on every route but the public ones (/health, the chat
+    page's files), compared in constant time; on /v1/messages `X-Api-Key: <key>` too, as
+    Anthropic's clients send it."""
 
     def __init__(self, app, api_key: str, public_paths: frozenset[str]) -> None:
         self.app = app
@@ -374,7 +374,8 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in self.public_paths:
             headers = dict(scope["headers"])
             bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
-            key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            key_ok = (scope["path"] == "/v1/messages"
+                      and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key))
             if not (bearer_ok or key_ok):
                 error = APIError(401, "missing or wrong API key", type="authentication_error",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

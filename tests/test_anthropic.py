@@ -121,6 +121,9 @@ def test_errors_have_anthropics_shape(client, server):
     r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": "secret"},
                    json={"model": MODEL, "messages": TURNS})
     assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens is required"
+    # X-Api-Key counts on /v1/messages only: other routes keep Bearer.
+    assert httpx.post(server.url + "/v1/completions", headers={"x-api-key": "secret"},
+                      json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
     with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as bad:
         with pytest.raises(anthropic.AuthenticationError) as info:
             bad.messages.create(model=MODEL, max_tokens=1, messages=TURNS)
