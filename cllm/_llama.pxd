@@ -28,6 +28,13 @@ cdef extern from "llama.h" nogil:
     ctypedef int32_t llama_token
     ctypedef int32_t llama_seq_id
 
+    cdef enum llama_pooling_type:
+        LLAMA_POOLING_TYPE_UNSPECIFIED
+        LLAMA_POOLING_TYPE_NONE
+        LLAMA_POOLING_TYPE_MEAN
+        LLAMA_POOLING_TYPE_CLS
+        LLAMA_POOLING_TYPE_LAST
+
     cdef enum llama_flash_attn_type:
         LLAMA_FLASH_ATTN_TYPE_AUTO
         LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -55,6 +62,8 @@ cdef extern from "llama.h" nogil:
         int32_t n_threads
         int32_t n_threads_batch
         llama_flash_attn_type flash_attn_type
+        llama_pooling_type pooling_type
+        bint embeddings
         bint no_perf
         bint kv_unified
         bint swa_full
@@ -87,6 +96,7 @@ cdef extern from "llama.h" nogil:
     int32_t llama_model_desc(const llama_model * model, char * buf, size_t buf_size)
     uint64_t llama_model_size(const llama_model * model)
     uint64_t llama_model_n_params(const llama_model * model)
+    int32_t llama_model_n_embd_out(const llama_model * model)
     const char * llama_model_chat_template(const llama_model * model, const char * name)
     int32_t llama_model_meta_count(const llama_model * model)
     int32_t llama_model_meta_key_by_index(const llama_model * model, int32_t i, char * buf, size_t buf_size)
@@ -108,6 +118,7 @@ cdef extern from "llama.h" nogil:
     bint llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1)
     void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src,
                              llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1)
+    void llama_memory_clear(llama_memory_t mem, bint data)
     llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id)
     llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id)
 
@@ -116,6 +127,7 @@ cdef extern from "llama.h" nogil:
     int32_t llama_decode(llama_context * ctx, llama_batch batch)
     float * llama_get_logits(llama_context * ctx)
     float * llama_get_logits_ith(llama_context * ctx, int32_t i)
+    float * llama_get_embeddings_seq(llama_context * ctx, llama_seq_id seq_id)
 
     llama_sampler * llama_sampler_chain_init(llama_sampler_chain_params params)
     void llama_sampler_chain_add(llama_sampler * chain, llama_sampler * smpl)

@@ -47,6 +47,7 @@ class CompletionRequest:
     echo: bool
     sampling: SamplingParams
     cache_prompt: bool = True  # llama-server's field: False computes the whole prompt
+    return_token_ids: bool = False  # vLLM's field: prompt and output token ids in the response
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class ChatRequest:
     include_usage: bool
     sampling: SamplingParams
     cache_prompt: bool = True
+    return_token_ids: bool = False
 
 
 @dataclass(slots=True)
@@ -228,6 +230,11 @@ def _cache_prompt(body: dict) -> bool:
     return _field(body, "cache_prompt", "a boolean", True)
 
 
+def _return_token_ids(body: dict) -> bool:
+    """vLLM's switch: the prompt's and each choice's token ids in the response."""
+    return _field(body, "return_token_ids", "a boolean", False)
+
+
 # Fields that change the output but are not implemented yet: refused, never silently ignored.
 # Each maps to the values that ask for nothing (null, absent, and these), which are accepted.
 _NOT_IMPLEMENTED = {"response_format": ({"type": "text"},), "tools": ([],),
@@ -275,7 +282,7 @@ def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> Comple
         model=_field(body, "model", "a string"), prompt=prompt,
         n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
         echo=echo, sampling=_sampling(body, max_tokens, logprobs),
-        cache_prompt=_cache_prompt(body))
+        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body))
 
 
 def _content(where: str, role: str, content: object) -> str:
@@ -330,7 +337,7 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
         model=_field(body, "model", "a string"), messages=messages,
         n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
         sampling=_sampling(body, max_tokens, top if want_logprobs else None),
-        cache_prompt=_cache_prompt(body))
+        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body))
 
 
 def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
@@ -348,12 +355,14 @@ def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
                            cache_prompt=_cache_prompt(body))
 
 
-def parse_tokenize(body: dict) -> tuple[str, bool]:
-    """llama-server's /tokenize: {"content": str, "add_special": bool (default false)}."""
+def parse_tokenize(body: dict) -> tuple[str, bool, bool]:
+    """llama-server's /tokenize: {"content": str, "add_special": bool, "with_pieces": bool}
+    (both false by default)."""
     content = _field(body, "content", "a string")
     if content is None:
         raise _invalid("content", "content is required")
-    return content, _field(body, "add_special", "a boolean", False)
+    return (content, _field(body, "add_special", "a boolean", False),
+            _field(body, "with_pieces", "a boolean", False))
 
 
 def parse_detokenize(body: dict) -> list[int]:

@@ -110,6 +110,7 @@ class EngineConfig:
 @dataclass(slots=True)
 class ServerConfig:
     """Where and how the HTTP server listens."""
+    served_model_name: str | None = None  # the model's name in the API; None: from --model
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None

@@ -132,6 +132,7 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self.failure: str | None = None  # why the engine thread died, if it did
+        self.tokens_generated = 0  # since start, counted as each step's tokens go out
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="cllm-engine", daemon=True)
         self._thread.start()
@@ -166,6 +167,13 @@ class Engine:
             self._post(("abort", seq))
         except EngineStoppedError:  # every sequence has ended already
             pass
+
+    def embedder(self, n_ctx: int, n_seq_max: int, pooling: str) -> _core.Embedder:
+        """A context of its own over this engine's model, for embeddings (cllm/embeddings.py):
+        it shares the weights, not the KV cache, and runs beside the engine thread."""
+        return _core.Embedder(self.model, n_ctx=min(n_ctx, self.model.n_ctx_train),
+                              n_seq_max=n_seq_max, n_threads=self.config.n_threads,
+                              pooling=pooling)
 
     def shutdown(self) -> None:
         """Finish every sequence with reason 'shutdown' and stop the engine thread."""
@@ -409,6 +417,7 @@ class Engine:
             if used < len(new_tokens):  # a stop string ended it inside a decode run
                 self.scheduler.drop_last_tokens(seq, len(new_tokens) - used)
                 new_tokens = new_tokens[:used]
+            self.tokens_generated += len(new_tokens)
             live.pending += new_tokens
             if live.text.stopped:
                 self.scheduler.finish(seq, FINISH_STOP, now)

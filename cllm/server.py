@@ -22,11 +22,13 @@ from cllm import api
 from cllm.api import APIError
 from cllm.chat_template import ChatTemplate, TemplateRenderer
 from cllm.config import SamplingParams, ServerConfig
+from cllm.embedder import Embeddings
 from cllm.engine import Delta, Engine, EngineStoppedError, PromptTooLongError
 from cllm.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
 from cllm.generation import Generation, SequenceFailure, failure
 from cllm.metrics import CONTENT_TYPE, Metrics
-from cllm.responses import Token, token_name
+from cllm.model_card import model_card, repo_id
+from cllm.responses import Token, anthropic_error, token_name
 from cllm.sequence import FINISH_ABORT
 
 log = logging.getLogger("cllm.server")
@@ -38,9 +40,11 @@ class AppState:
     def __init__(self, config: ServerConfig, model_name: str) -> None:
         self.config = config
         self.model_name = model_name
+        self.model_root = model_name  # the repository id once the model is loaded, if known
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.renderer: TemplateRenderer | None = None
+        self.embeddings: Embeddings | None = None
         self.load_error: str | None = None
         self.stopping = False
 
@@ -59,6 +63,8 @@ class AppState:
                                     eos_token=piece(model.eos_token))
         self.renderer = TemplateRenderer(template, timeout=self.config.template_timeout)
         self.metrics.watch(engine)
+        self.model_root = repo_id(model.metadata, self.config.engine.model) or self.model_name
+        self.embeddings = Embeddings(engine)
         self.engine = engine
 
     async def stop(self) -> None:
@@ -137,6 +143,15 @@ async def tokenize_text(engine: Engine, text: str, *, add_special: bool) -> list
                                    parse_special=True)
 
 
+async def chat_prompt(state: AppState, engine: Engine, messages: list[dict]) -> list[int]:
+    """A conversation's prompt tokens, rendered by the model's chat template."""
+    text = await state.renderer.render(messages)
+    # Templates that write the BOS token themselves must not get a second one. The check is on
+    # the BOS token's text ("<bos>"): its piece without special=True is empty.
+    bos = state.renderer.template.bos_token if engine.model.adds_bos else None
+    return await tokenize_text(engine, text, add_special=not (bos and text.startswith(bos)))
+
+
 class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
@@ -212,10 +227,12 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     return JSONResponse(await until_disconnect(request, generation.collect()))
 
 
-def _new_format(cls, request: Request, prefix: str, sampling: SamplingParams) -> Format:
+def new_format(cls, request: Request, prefix: str, sampling: SamplingParams,
+               **options) -> Format:
+    """A response format for one request; `options` go to the format's constructor."""
     state: AppState = request.app.state.cllm
     return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
-               state.token, sampling.logprobs is not None)
+               state.token, sampling.logprobs is not None, **options)
 
 
 def guarded(handler, error_body=APIError.body):
@@ -249,7 +266,8 @@ async def completions(request: Request, state: AppState) -> Response:
                                max_tokens_limit=engine.max_seq_len)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
         engine, req.prompt, add_special=True)
-    fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
+    fmt = new_format(CompletionFormat, request, "cmpl", req.sampling,
+                     prompt_token_ids=prompt if req.return_token_ids else None)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
@@ -258,12 +276,9 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
-    text = await state.renderer.render(req.messages)
-    # Templates that write the BOS token themselves must not get a second one. The check is on
-    # the BOS token's text ("<bos>"): its piece without special=True is empty.
-    bos = state.renderer.template.bos_token if engine.model.adds_bos else None
-    prompt = await tokenize_text(engine, text, add_special=not (bos and text.startswith(bos)))
-    fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling)
+    prompt = await chat_prompt(state, engine, req.messages)
+    fmt = new_format(ChatFormat, request, "chatcmpl", req.sampling,
+                     prompt_token_ids=prompt if req.return_token_ids else None)
     return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
@@ -273,24 +288,45 @@ async def generate(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
     prompt = await tokenize_text(engine, req.prompt, add_special=True)
-    fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
+    fmt = new_format(GenerateFormat, request, "gen", req.sampling)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
                          req.cache_prompt)
 
 
 async def models(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": 0, "owned_by": "cllm",
-        "meta": {"n_ctx": engine.max_seq_len, "n_ctx_train": engine.model.n_ctx_train,
-                 "n_vocab": engine.model.n_vocab, "n_params": engine.model.n_params,
-                 "description": engine.model.description}}]})
+    return JSONResponse({"object": "list",
+                         "data": [model_card(state.model_name, state.model_root, engine)]})
+
+
+async def model(request: Request, state: AppState) -> Response:
+    """One model by its served name or its repository id (the openai SDK's models.retrieve)."""
+    engine = state.require_engine()
+    model_id = request.path_params["model_id"]
+    if model_id not in (state.model_name, state.model_root):
+        raise APIError(404, f"the model '{model_id}' does not exist", param="model",
+                       code="model_not_found")
+    return JSONResponse(model_card(state.model_name, state.model_root, engine))
 
 
 async def tokenize(request: Request, state: AppState) -> Response:
-    content, add_special = api.parse_tokenize(await read_json(request, state.config))
+    content, add_special, with_pieces = api.parse_tokenize(await read_json(request,
+                                                                          state.config))
     engine = state.require_engine()
-    return JSONResponse({"tokens": await tokenize_text(engine, content, add_special=add_special)})
+    tokens = await tokenize_text(engine, content, add_special=add_special)
+    if with_pieces:
+        tokens = [{"id": t, "piece": _piece(engine.model, t)} for t in tokens]
+    return JSONResponse({"tokens": tokens})
+
+
+def _piece(model, token: int) -> str | list[int]:
+    """A token's text as llama-server's with_pieces shows it: special tokens by name, and the
+    bytes as numbers where they are not whole UTF-8 characters."""
+    raw = model.token_to_piece(token, True)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 async def detokenize(request: Request, state: AppState) -> Response:
@@ -317,21 +353,30 @@ async def metrics(request: Request, state: AppState) -> Response:
 
 
 def _error_shape(path: str):
-    """The error body of a route: /generate keeps the original API's."""
-    return GenerateFormat.error_body_of if path == "/generate" else APIError.body
+    """The error body of a route: /generate keeps the original API's, /v1/messages has
+    Anthropic's."""
+    return {"/generate": GenerateFormat.error_body_of,
+            "/v1/messages": anthropic_error}.get(path, APIError.body)
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but /health, compared in constant time."""
+    """`Authorization: Bearer <key>` on every route but the public ones (/health, the chat
+    page's files), compared in constant time; on /v1/messages `X-Api-Key: <key>` too, as
+    Anthropic's clients send it."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, public_paths: frozenset[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+        self.bearer = b"Bearer " + self.key
+        self.public_paths = public_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+        if scope["type"] == "http" and scope["path"] not in self.public_paths:
+            headers = dict(scope["headers"])
+            bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            key_ok = (scope["path"] == "/v1/messages"
+                      and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key))
+            if not (bearer_ok or key_ok):
                 error = APIError(401, "missing or wrong API key", type="authentication_error",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await error_response(error, _error_shape(scope["path"]))(scope, receive, send)
@@ -390,16 +435,26 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         yield
         await state.stop()
 
+    # Route modules build on this one's plumbing: imported once it exists.
+    from cllm import anthropic, embeddings, native, openai_responses, webui
+
     post = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["POST"])  # noqa: E731
     get = lambda path, fn: Route(path, guarded(fn), methods=["GET"])  # noqa: E731
     app = Starlette(routes=[
         post("/v1/completions", completions), post("/v1/chat/completions", chat_completions),
         post("/generate", generate, error_body=GenerateFormat.error_body_of),
-        get("/v1/models", models), post("/tokenize", tokenize), post("/detokenize", detokenize),
+        get("/v1/models", models), get("/v1/models/{model_id:path}", model),
+        post("/tokenize", tokenize), post("/detokenize", detokenize),
         get("/health", health), get("/metrics", metrics),
+        post("/completion", native.completion), get("/props", native.props),
+        post("/v1/embeddings", embeddings.embeddings),
+        post("/v1/responses", openai_responses.create_response),
+        post("/v1/messages", anthropic.create_message, error_body=anthropic_error),
+        get("/", webui.page), get("/ui/{name}", webui.asset), get("/status", webui.status),
     ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
+                           public_paths=frozenset({"/health"}) | webui.PUBLIC_PATHS)
     elif config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
         app.add_middleware(HostCheckMiddleware, bound_host=config.host)
     return app

@@ -355,11 +355,20 @@ def test_generate_rejections(body, param):
 
 
 def test_tokenize():
-    assert parse_tokenize({"content": "Hello"}) == ("Hello", False)
-    assert parse_tokenize({"content": "", "add_special": True}) == ("", True)
+    assert parse_tokenize({"content": "Hello"}) == ("Hello", False, False)
+    assert parse_tokenize({"content": "", "add_special": True}) == ("", True, False)
+    assert parse_tokenize({"content": "x", "with_pieces": True}) == ("x", False, True)
+    rejects(lambda: parse_tokenize({"content": "x", "with_pieces": "yes"}), "with_pieces")
     rejects(lambda: parse_tokenize({}), "content")
     rejects(lambda: parse_tokenize({"content": [1]}), "content")
     rejects(lambda: parse_tokenize({"content": "x", "add_special": 1}), "add_special")
+
+
+def test_return_token_ids_is_a_boolean_off_by_default():
+    assert completion().return_token_ids is False and chat().return_token_ids is False
+    assert completion(return_token_ids=True).return_token_ids is True
+    assert chat(return_token_ids=True).return_token_ids is True
+    rejects(lambda: completion(return_token_ids=1), "return_token_ids")
 
 
 def test_detokenize():

@@ -296,3 +296,28 @@ def test_gemma3_generates(gemma_path):
 def test_a_token_id_outside_the_vocabulary_is_a_value_error(model, token):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.token_to_piece(token)
+
+
+# ---- embeddings ----
+
+def test_embedder_packs_inputs_and_each_vector_is_its_own(model):
+    """More inputs than fit one decode are split over several; each input's unit vector is the
+    one it gets alone, wherever it was packed."""
+    embedder = _core.Embedder(model, n_ctx=64, n_seq_max=2, n_threads=1)
+    texts = ["The sea is wide.", "def f(x): return x", "Paris, France", "1 2 3 4 5 6 7"]
+    inputs = [model.tokenize(t) for t in texts]
+    together = embedder.embed(inputs)
+    assert len(together) == 4 and all(len(v) == embedder.n_embd for v in together)
+    for tokens, vector in zip(inputs, together):
+        (alone,) = embedder.embed([tokens])
+        assert math.isclose(sum(x * x for x in alone), 1.0, rel_tol=1e-5)
+        assert list(vector) == pytest.approx(list(alone), abs=1e-5)
+    assert together[0] != together[1]
+
+
+@pytest.mark.parametrize("tokens, words", [([], "1 to 64"), (list(range(65)), "1 to 64"),
+                                           ([10**6], "token ids")])
+def test_embedder_rejects_inputs_that_cannot_fit(model, tokens, words):
+    embedder = _core.Embedder(model, n_ctx=64, n_seq_max=2, n_threads=1)
+    with pytest.raises(ValueError, match=words):
+        embedder.embed([tokens])

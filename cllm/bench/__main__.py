@@ -17,7 +17,7 @@ from cllm.models import DEFAULT_ALIAS, resolve_model
 from . import report
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget
-from .loadgen import HttpTarget, Sender, first_model, run_level
+from .loadgen import HttpTarget, Level, Sender, first_model, run_level
 from .peer import build, start_peer
 from .servers import StartedServer, say, start_cllm
 from .stats import summarize
@@ -55,6 +55,7 @@ def _write(data: dict, out: Path) -> None:
 
 def _settings(args: argparse.Namespace) -> dict:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings["levels"] = [asdict(level) for level in args.levels]
     settings["server"] = asdict(server_settings(args))
     return settings
 
@@ -91,7 +92,9 @@ def _started(server: StartedServer, stack: ExitStack, data: dict) -> Target:
 async def _measure_all(args: argparse.Namespace, targets: list[Target], data: dict) -> None:
     load = load_settings(args)
     # Keep every connection alive: reconnecting between requests would count in their TTFT.
-    pool = max(args.concurrency) + 4
+    # An open loop without a cap may have every request of a level in flight.
+    pool = max(max(level.concurrency or args.requests for level in args.levels),
+               args.warmup) + 4
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     async with httpx.AsyncClient(timeout=httpx.Timeout(load.timeout, connect=30.0),
                                  limits=limits) as client:
@@ -99,23 +102,28 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
             if t.url:
                 t.model = t.model or await first_model(client, t.url)
                 t.send = HttpTarget(t.url, t.model, load, client).send
-        for i, (level, plan) in enumerate(zip(args.concurrency, plans(args))):
-            # The order of servers flips from level to level so neither always runs first.
+        levels = [(level, repeat) for level in args.levels for repeat in range(args.runs)]
+        for i, ((level, repeat), plan) in enumerate(zip(levels, plans(args))):
+            # The order of servers flips from run to run so neither always runs first.
             for t in targets if i % 2 == 0 else targets[::-1]:
-                run = await _measure(t, level, plan)
+                run = await _measure(t, level, plan, seed=i, slo=args.goodput)
+                run["repeat"] = repeat
                 data["runs"].append(run)
                 _print_run(run)
 
 
-async def _measure(t: Target, level: int, plan: LevelPlan) -> dict:
+async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
+                   slo: dict[str, float] | None) -> dict:
     load_before = os.getloadavg()[0]  # on a shared machine, says how busy it was
-    warm_results, _ = await run_level(t.send, plan.warmup, level)
+    warm_results, _ = await run_level(t.send, plan.warmup, level.concurrency or 4)
     if t.engine is not None:
         t.engine.reset_timer()
-    results, duration, per_turn = await plan.run(t.send, level, desc=f"{t.name} c={level}")
-    run = {"server": t.name, "url": t.url, "model": t.model, "concurrency": level,
+    results, duration, per_turn = await plan.run(t.send, level, seed,
+                                                 desc=f"{t.name} {level.label}")
+    run = {"server": t.name, "url": t.url, "model": t.model, "concurrency": level.concurrency,
+           "request_rate": level.rate, "level": level.label,
            "warmup_failed": sum(not r.ok for r in warm_results), "loadavg_1m": load_before,
-           "metrics": summarize(results, duration) | per_turn}
+           "metrics": summarize(results, duration, slo) | per_turn}
     if t.engine is not None:
         run["engine_steps"] = t.engine.timer_summary()
     return run
@@ -124,8 +132,10 @@ async def _measure(t: Target, level: int, plan: LevelPlan) -> dict:
 def _print_run(run: dict) -> None:
     m = run["metrics"]
     cached = "" if m["cached_share"] is None else f", {m['cached_share']:.0%} of prompt cached"
-    say(f"{run['server']} c={run['concurrency']}: {m['completed']} ok, {m['failed']} failed, "
-        f"{m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50'] or 0:.1f} ms{cached}")
+    good = f", {m['goodput']['request_goodput']:.2f} good req/s" if "goodput" in m else ""
+    say(f"{run['server']} {run['level']}: {m['completed']} ok, {m['failed']} failed, "
+        f"{m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50'] or 0:.1f} ms"
+        f"{cached}{good}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ import os
 import shlex
 from pathlib import Path
 
-from .loadgen import LoadSettings
+from .loadgen import Level, LoadSettings
 from .servers import ENGINE_DEFAULTS, ServerSettings
+from .stats import SLO_METRICS
 from .workloads import MIXED_TOKENS, WORKLOADS
 
 PEERS = ("llama-server",)
@@ -35,14 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
     load = p.add_argument_group("load")
     load.add_argument("--requests", type=_positive, default=72, help="per level (default 72)")
     load.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 8, 16, 32],
-                      help="levels, each run separately (default 1 8 16 32)")
+                      help="closed-loop levels: requests kept in flight, each level run "
+                           "separately (default 1 8 16 32)")
+    load.add_argument("--request-rate", type=_rate, nargs="+",
+                      help="open-loop levels instead: Poisson arrivals at these rates, "
+                           "requests a second (inf: all at once), sent whether or not earlier "
+                           "ones have finished")
+    load.add_argument("--max-concurrency", type=_positive,
+                      help="with --request-rate: at most this many requests in flight")
+    load.add_argument("--goodput", nargs="+", metavar="METRIC:MS", type=_slo,
+                      help="report goodput, the requests a second that meet every bound: "
+                           f"{', '.join(m + ':MS' for m in SLO_METRICS)} (e.g. ttft:500 "
+                           "tpot:50)")
+    load.add_argument("--runs", type=_positive, default=1,
+                      help="measure each level this many times, to show the spread "
+                           "(default 1)")
     load.add_argument("--max-tokens", type=_positive, default=50)
     load.add_argument("--workload", choices=WORKLOADS, default="standard",
                       help="standard: the prompts below; shared-prefix: one long document, a "
                            "different question after it each request; multi-turn: chat "
                            "conversations, each turn resending the history; mixed: prompts "
-                           f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform "
-                           "(default standard)")
+                           f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform; "
+                           "sharegpt: prompt and output lengths shaped like ShareGPT's chats, "
+                           "or from --dataset-path (default standard)")
+    load.add_argument("--dataset-path", type=Path,
+                      help="sharegpt: a ShareGPT-style JSON file to take prompts and output "
+                           "lengths from")
     source = load.add_mutually_exclusive_group()
     source.add_argument("--prompt-tokens", type=_positive,
                         help="standard workload: synthetic prompts of about N tokens, all "
@@ -103,13 +122,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("nothing to measure: give --url, --cllm, --peer or --engine-direct")
     _check_workload(parser, args)
     args.concurrency = sorted(set(args.concurrency))
+    args.levels = _levels(parser, args)
+    args.goodput = dict(args.goodput) if args.goodput else None
     if args.parallel is None:
-        args.parallel = max(args.concurrency)
+        args.parallel = args.max_concurrency or max(args.concurrency)
     return args
+
+
+def _levels(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Level]:
+    if not args.request_rate:
+        if args.max_concurrency:
+            parser.error("--max-concurrency caps an open loop: it needs --request-rate")
+        return [Level(concurrency=c) for c in args.concurrency]
+    if args.workload == "multi-turn":
+        parser.error("multi-turn conversations wait for each reply: use --concurrency")
+    return [Level(concurrency=args.max_concurrency, rate=r)
+            for r in sorted(set(args.request_rate))]
 
 
 def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rejects options the workload would ignore; resolves the endpoint it needs."""
+    if args.dataset_path and args.workload != "sharegpt":
+        parser.error("--dataset-path is for --workload sharegpt")
     if args.workload != "standard" and (args.prompt_tokens or args.prompt_file):
         parser.error(f"--prompt-tokens and --prompt-file are for the standard workload; "
                      f"{args.workload} makes its own prompts")
@@ -151,6 +185,26 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be above 0, got {text}")
+    return value
+
+
+def _slo(text: str) -> tuple[str, float]:
+    """"ttft:500" → ("ttft", 500.0)."""
+    name, _, ms = text.partition(":")
+    try:
+        bound = float(ms)
+    except ValueError:
+        bound = -1.0
+    if name not in SLO_METRICS or not bound > 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give METRIC:MS with METRIC one of {', '.join(SLO_METRICS)} and MS > 0")
+    return name, bound
 
 
 def _non_negative(text: str) -> int:

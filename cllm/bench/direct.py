@@ -5,10 +5,11 @@ chat template), as with the completions endpoint."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from cllm.sequence import FINISH_LENGTH, FINISH_STOP
 
-from .loadgen import LoadSettings, RequestResult, check_tokens
+from .loadgen import LoadSettings, RequestResult, Sized, check_tokens
 from .servers import ServerSettings
 
 
@@ -34,10 +35,13 @@ class EngineTarget:
         self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
                                        ignore_eos=load.ignore_eos)
 
-    async def send(self, prompt: str) -> RequestResult:
+    async def send(self, prompt: str | Sized) -> RequestResult:
         r = RequestResult(start=time.perf_counter())
+        sampling = self.sampling
+        if isinstance(prompt, Sized):
+            prompt, sampling = prompt.prompt, replace(sampling, max_tokens=prompt.max_tokens)
         try:
-            stream = self.engine.submit(self.engine.model.tokenize(prompt), self.sampling)
+            stream = self.engine.submit(self.engine.model.tokenize(prompt), sampling)
             async for delta in stream:
                 if delta.token_ids:
                     r.arrive(time.perf_counter())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,8 +19,34 @@ from tqdm import tqdm
 
 EMPTY_RESPONSE = "empty response"
 
-# What a request sends: a prompt, or for the chat endpoint the whole list of messages.
-Prompt = str | list[dict]
+
+
+@dataclass(frozen=True, slots=True)
+class Sized:
+    """A prompt with its own output length, as in ShareGPT-like workloads."""
+    prompt: str | list[dict]
+    max_tokens: int
+
+
+# What a request sends: a prompt, or for the chat endpoint the whole list of messages; Sized
+# when its output length is its own rather than --max-tokens.
+Prompt = str | list[dict] | Sized
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """How one level loads a server: a closed loop keeping `concurrency` requests in flight, or
+    an open loop of Poisson arrivals at `rate` requests a second (inf: all at once), with at
+    most `concurrency` in flight if set."""
+    concurrency: int | None = None
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.rate is None:
+            return f"c={self.concurrency}"
+        cap = f" c<={self.concurrency}" if self.concurrency else ""
+        return f"rate={self.rate:g}{cap}"
 
 
 @dataclass(slots=True)
@@ -159,7 +187,10 @@ class HttpTarget:
         self.endpoint_url = self.url + path
 
     def body(self, prompt: Prompt) -> dict:
-        body: dict = {"model": self.model, "max_tokens": self.load.max_tokens,
+        max_tokens = self.load.max_tokens
+        if isinstance(prompt, Sized):
+            prompt, max_tokens = prompt.prompt, prompt.max_tokens
+        body: dict = {"model": self.model, "max_tokens": max_tokens,
                       "temperature": 0.0, "stream": self.load.stream}
         if self.load.endpoint == "chat":
             body["messages"] = (prompt if isinstance(prompt, list)
@@ -240,6 +271,36 @@ async def run_level(send: Sender, prompts: Sequence[Prompt], concurrency: int,
                     desc: str = "") -> tuple[list[RequestResult], float]:
     """Sends every prompt, at most `concurrency` at a time; returns results and the wall time."""
     return await run_jobs([partial(send, p) for p in prompts], concurrency, desc)
+
+
+async def run_open_loop(send: Sender, prompts: Sequence[Prompt], rate: float,
+                        max_concurrency: int | None, seed: int,
+                        desc: str = "") -> tuple[list[RequestResult], float]:
+    """Sends the prompts at Poisson arrival times, `rate` a second (exponential gaps, seeded),
+    whether or not earlier ones have finished; at most `max_concurrency` in flight if set
+    (later arrivals then wait). Returns results in order and the wall time."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    with tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False,
+              disable=not desc) as bar:
+        async def one(prompt: Prompt) -> RequestResult:
+            if limit is None:
+                result = await send(prompt)
+            else:
+                async with limit:
+                    result = await send(prompt)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return list(results), duration
 
 
 async def run_jobs(jobs: Sequence[Callable[[], Awaitable[T]]], concurrency: int,

@@ -4,6 +4,7 @@ lengths, conversations). All synthetic text comes from a seeded RNG: every run, 
 server in a run, gets the same prompts."""
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -155,3 +156,52 @@ def mixed(count: int, lo: int, hi: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     lengths = [round(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(count)]
     return [text(rng, n) for n in lengths]
+
+
+# ShareGPT-like lengths in tokens: log-normal, heavy-tailed as chat traffic is (medians 100
+# in and 130 out, means about 200 each), kept within vLLM's ShareGPT filters: at least 4 tokens
+# each, a prompt of at most 1,024, prompt and reply together at most 2,048.
+SHAREGPT_PROMPT = (math.log(100), 1.2)
+SHAREGPT_OUTPUT = (math.log(130), 0.9)
+SHAREGPT_LIMITS = (4, 1024, 2048)
+
+
+def sharegpt_lengths(rng: random.Random) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of one request, drawn until they pass the filters."""
+    least, most_prompt, most_total = SHAREGPT_LIMITS
+    while True:
+        n_in = round(rng.lognormvariate(*SHAREGPT_PROMPT))
+        n_out = round(rng.lognormvariate(*SHAREGPT_OUTPUT))
+        if least <= n_in <= most_prompt and n_out >= least and n_in + n_out <= most_total:
+            return n_in, n_out
+
+
+def sharegpt_synthetic(count: int, seed: int) -> list[tuple[str, int]]:
+    """`count` (prompt, output length) pairs with ShareGPT-like lengths, all different."""
+    rng = random.Random(seed)
+    return [(text(rng, n_in), n_out) for n_in, n_out in
+            (sharegpt_lengths(rng) for _ in range(count))]
+
+
+def sharegpt_file(path: Path) -> list[tuple[str, int]]:
+    """(first human turn, its reply's length) of each conversation of a ShareGPT-style JSON
+    file ([{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}]).
+    The reply's length is estimated at 4 characters a token (no tokenizer here); pairs outside
+    the filters above are left out."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cannot read the ShareGPT file {path}: {e}") from None
+    least, most_prompt, most_total = SHAREGPT_LIMITS
+    pairs = []
+    for item in data if isinstance(data, list) else []:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        prompt, reply = (str(t.get("value", "")) if isinstance(t, dict) else "" for t in turns[:2])
+        n_in, n_out = len(prompt) // 4, len(reply) // 4
+        if least <= n_in <= most_prompt and n_out >= least and n_in + n_out <= most_total:
+            pairs.append((prompt, n_out))
+    if not pairs:
+        raise SystemExit(f"{path} holds no usable conversation")
+    return pairs

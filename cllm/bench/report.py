@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -91,35 +92,75 @@ def header(report: dict) -> str:
     workload = s.get("workload", "standard")
     detail = {"shared-prefix": f", document of {s.get('prefix_tokens')} tokens",
               "multi-turn": f", {s.get('turns')} turns a conversation"}.get(workload, "")
+    output = ("output lengths of their own" if workload == "sharegpt"
+              else f"{s.get('max_tokens')} tokens")
+    slo = s.get("goodput")
+    goodput = ("; goodput SLO " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo.items())
+               if slo else "")
     return (f"CPU: {m.get('cpu')}, {m.get('nproc')} cores ({flags or 'flags unknown'}); "
             f"GPU: {', '.join(m.get('gpu') or []) or 'none'}\n"
-            f"workload: {workload}{detail}; {s.get('requests')} requests × "
-            f"{s.get('max_tokens')} tokens a level")
+            f"workload: {workload}{detail}; {s.get('requests')} requests × {output} a level"
+            f"{goodput}")
 
 
-_COLUMNS = (("server", 13, "{}"), ("conc", 5, "{}"), ("ok", 4, "{}"), ("fail", 4, "{}"),
+_COLUMNS = (("server", 13, "{}"), ("level", 12, "{}"), ("ok", 4, "{}"), ("fail", 4, "{}"),
             ("wall s", 7, "{:.1f}"), ("tok/s", 8, "{:.1f}"), ("req/s", 6, "{:.2f}"),
-            ("ttft p50", 9, "{:.1f}"), ("ttft p99", 9, "{:.1f}"), ("tpot p50", 9, "{:.2f}"),
-            ("itl p50", 8, "{:.2f}"), ("e2el p50", 9, "{:.0f}"), ("cached", 7, "{:.1%}"))
+            ("ttft p50", 9, "{:.1f}"), ("ttft p90", 9, "{:.1f}"), ("ttft p99", 9, "{:.1f}"),
+            ("tpot p50", 9, "{:.2f}"), ("itl p50", 8, "{:.2f}"), ("e2el p50", 9, "{:.0f}"),
+            ("good/s", 7, "{:.2f}"), ("cached", 7, "{:.1%}"))
+
+
+def level_label(run: dict) -> str:
+    """c=N for a closed-loop level, rate=R for an open one (older results have no label)."""
+    return run.get("level") or f"c={run['concurrency']}"
 
 
 def table(runs: list[dict]) -> str:
-    """A compact table: one row per server and concurrency, latencies in milliseconds, the
-    share of prompt tokens served from cache last ("-": the server did not say)."""
+    """A compact table: one row per server, level and run, latencies in milliseconds; goodput
+    when SLOs were given; the share of prompt tokens served from cache last ("-": the server
+    did not say). With several runs, their spread follows."""
     lines = [" ".join(f"{name:>{width}}" for name, width, _ in _COLUMNS)]
     for run in runs:
         m = run["metrics"]
-        values = (run["server"], run["concurrency"], m["completed"], m["failed"],
+        values = (run["server"], level_label(run), m["completed"], m["failed"],
                   m["duration_s"], m["output_throughput"], m["request_throughput"],
-                  m["ttft_ms"]["p50"], m["ttft_ms"]["p99"], m["tpot_ms"]["p50"],
-                  m["itl_ms"]["p50"], m["e2el_ms"]["p50"], m.get("cached_share"))
+                  m["ttft_ms"]["p50"], m["ttft_ms"].get("p90"), m["ttft_ms"]["p99"],
+                  m["tpot_ms"]["p50"], m["itl_ms"]["p50"], m["e2el_ms"]["p50"],
+                  (m.get("goodput") or {}).get("request_goodput"), m.get("cached_share"))
         lines.append(" ".join(f"{_cell(fmt, v):>{width}}"
                               for (_, width, fmt), v in zip(_COLUMNS, values)))
         if "turns" in m:
             lines.append("    " + _turns_line(m))
         for reason, count in m["failures"].items():
             lines.append(f"    {count} × {reason}")
-    return "\n".join(lines)
+    return "\n".join(lines + spread(runs))
+
+
+def spread(runs: list[dict]) -> list[str]:
+    """For each server and level measured more than once: the range of output throughput
+    and of TTFT p50 over its runs, and their coefficient of variation."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["server"], level_label(run)), []).append(run["metrics"])
+    lines = []
+    for (server, level), metrics in groups.items():
+        if len(metrics) < 2:
+            continue
+        parts = [_range(name, [m[key] if sub is None else m[key][sub] for m in metrics])
+                 for name, key, sub in (("tok/s", "output_throughput", None),
+                                        ("TTFT p50 ms", "ttft_ms", "p50"))]
+        lines.append(f"spread over {len(metrics)} runs, {server} {level}: " + "; ".join(parts))
+    return (["", *lines]) if lines else []
+
+
+def _range(name: str, values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return f"{name} -"
+    mean = sum(known) / len(known)
+    sd = (sum((v - mean) ** 2 for v in known) / len(known)) ** 0.5
+    cv = f" (cv {sd / mean:.1%})" if mean else ""
+    return f"{name} {min(known):.1f}–{max(known):.1f}{cv}"
 
 
 def _turns_line(m: dict) -> str:
@@ -135,7 +176,8 @@ def _cell(fmt: str, value: object) -> str:
 
 
 def plot(reports: list[dict], path: Path) -> Path | None:
-    """Output throughput and TTFT p50 against concurrency, one line per server (and run)."""
+    """Output throughput and TTFT p50 against the level (concurrency, or request rate for
+    open-loop levels; all-at-once rates are left out), one line per server (and run)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -146,9 +188,9 @@ def plot(reports: list[dict], path: Path) -> Path | None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     series = _series(reports)
-    levels_seen = sorted({r["concurrency"] for runs in series.values() for r in runs})
+    levels_seen = sorted({_x(r) for runs in series.values() for r in runs})
     for label, runs in series.items():
-        levels = [r["concurrency"] for r in runs]
+        levels = [_x(r) for r in runs]
         left.plot(levels, [r["metrics"]["output_throughput"] for r in runs], "o-", label=label)
         right.plot(levels, [_nan(r["metrics"]["ttft_ms"]["p50"]) for r in runs], "o-",
                    label=label)
@@ -156,7 +198,7 @@ def plot(reports: list[dict], path: Path) -> Path | None:
         axis.set_xscale("log", base=2)
         axis.set_xticks(levels_seen, [str(level) for level in levels_seen])
         axis.set_ylim(bottom=0)
-        axis.set_xlabel("concurrency")
+        axis.set_xlabel("request rate (req/s)" if _open_loop(series) else "concurrency")
         axis.set_title(title)
         axis.grid(True, alpha=0.3)
         axis.legend()
@@ -172,8 +214,17 @@ def _series(reports: list[dict]) -> dict[str, list[dict]]:
     for report in reports:
         suffix = f" ({report.get('tag') or report['date']})" if len(reports) > 1 else ""
         for run in report["runs"]:
-            series.setdefault(run["server"] + suffix, []).append(run)
-    return {label: sorted(runs, key=lambda r: r["concurrency"]) for label, runs in series.items()}
+            if math.isfinite(_x(run)):
+                series.setdefault(run["server"] + suffix, []).append(run)
+    return {label: sorted(runs, key=_x) for label, runs in series.items()}
+
+
+def _x(run: dict) -> float:
+    return run.get("request_rate") or run["concurrency"]
+
+
+def _open_loop(series: dict[str, list[dict]]) -> bool:
+    return any(r.get("request_rate") for runs in series.values() for r in runs)
 
 
 def _nan(value: float | None) -> float:

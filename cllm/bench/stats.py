@@ -24,15 +24,41 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+PERCENTILES = (50, 90, 99)
+# What --goodput can bound, in milliseconds: a request is good if it meets every bound given.
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
 def distribution(seconds: Sequence[float]) -> dict[str, float | None]:
-    """mean, p50 and p99 in milliseconds; None where there is nothing to measure (JSON null)."""
+    """mean, p50, p90 and p99 in milliseconds; None where there is nothing to measure (JSON
+    null)."""
     if not seconds:
-        return {"mean": None, "p50": None, "p99": None}
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
     ms = [s * 1000 for s in seconds]
-    return {"mean": sum(ms) / len(ms), "p50": percentile(ms, 50), "p99": percentile(ms, 99)}
+    return {"mean": sum(ms) / len(ms), **{f"p{q}": percentile(ms, q) for q in PERCENTILES}}
 
 
-def summarize(results: Sequence[RequestResult], duration: float) -> dict:
+def meets(r: RequestResult, slo: dict[str, float]) -> bool:
+    """Whether a completed request meets every bound of `slo` (metric → ms). As vLLM counts
+    it, a reply of one token has a TPOT of 0."""
+    values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.latency}
+    return all(values[name] is not None and values[name] * 1000 <= bound
+               for name, bound in slo.items())
+
+
+def goodput(ok: Sequence[RequestResult], total: int, duration: float,
+            slo: dict[str, float]) -> dict:
+    """Requests that met the SLO: how many, per second of the level, and their share of all
+    requests sent (failed ones included)."""
+    good = sum(meets(r, slo) for r in ok)
+    return {"slo_ms": dict(slo), "good_requests": good,
+            "request_goodput": good / duration if duration > 0 else 0.0,
+            "good_share": good / total if total else 0.0}
+
+
+def summarize(results: Sequence[RequestResult], duration: float,
+              slo: dict[str, float] | None = None) -> dict:
+    """The level's figures; with `slo`, its goodput too."""
     ok = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in ok)
     prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
@@ -55,6 +81,7 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
         "finish_reasons": dict(Counter(str(r.finish_reason) for r in ok)),
         "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
         "cached_share": cached_share(ok),
+        **({"goodput": goodput(ok, len(results), duration, slo)} if slo else {}),
     }
 
 

@@ -3,6 +3,8 @@
 standard: the default prompts, --prompt-file, or --prompt-tokens synthetic ones.
 shared-prefix: one long document, each request with its own question after it.
 mixed: prompt lengths log-uniform from 16 to 4,000 tokens, all different.
+sharegpt: prompt and output lengths shaped like ShareGPT's chats (or taken from a ShareGPT-style
+file), each request with its own max_tokens.
 multi-turn: conversations over the chat endpoint; each turn resends the whole history, with the
 server's own replies, so a server that reuses its cache answers later turns sooner."""
 from __future__ import annotations
@@ -15,10 +17,11 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from . import prompts as prompt_sets
-from .loadgen import Prompt, RequestResult, Sender, run_jobs, run_level
+from .loadgen import (Level, Prompt, RequestResult, Sender, Sized, run_jobs, run_level,
+                      run_open_loop)
 from .stats import by_turn
 
-WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed")
+WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed", "sharegpt")
 MIXED_TOKENS = (16, 4000)
 SKIPPED = "not sent: an earlier turn of its conversation failed"
 
@@ -54,51 +57,72 @@ class LevelPlan:
     prompts: list[Prompt] = field(default_factory=list)
     conversations: list[Conversation] = field(default_factory=list)
 
-    async def run(self, send: Sender, concurrency: int,
+    async def run(self, send: Sender, level: Level, seed: int = 0,
                   desc: str = "") -> tuple[list[RequestResult], float, dict]:
         """The measured requests: their results, the wall time, and for conversations the
-        figures of each turn (stats.by_turn)."""
+        figures of each turn (stats.by_turn). An open-loop level's arrivals are seeded."""
+        if level.rate is not None:
+            results, duration = await run_open_loop(send, self.prompts, level.rate,
+                                                    level.concurrency, seed, desc)
+            return results, duration, {}
         if not self.conversations:
-            results, duration = await run_level(send, self.prompts, concurrency, desc)
+            results, duration = await run_level(send, self.prompts, level.concurrency, desc)
             return results, duration, {}
         # The concurrency is the number of conversations in flight; each runs turn after turn.
         jobs = [partial(c.run, send) for c in self.conversations]
-        per_conversation, duration = await run_jobs(jobs, concurrency, desc)
+        per_conversation, duration = await run_jobs(jobs, level.concurrency, desc)
         return [r for c in per_conversation for r in c], duration, by_turn(per_conversation)
 
 
 def plans(args: argparse.Namespace) -> Iterator[LevelPlan]:
-    """One plan per concurrency level, in order. Each level gets its own prompts (seeded by
-    the level's position), so no level starts with what an earlier one left in a cache."""
+    """One plan per level and run (--runs), in order, a level's runs together. Each gets its
+    own prompts (seeded by its position), so none starts with what an earlier one left in a
+    cache."""
+    levels = [level for level in args.levels for _ in range(args.runs)]
     if args.workload == "standard":
-        yield from _standard(args)
+        yield from _standard(args, len(levels))
         return
-    for index, level in enumerate(args.concurrency):
+    for index, level in enumerate(levels):
         if args.workload == "multi-turn":
-            yield _multi_turn(args, level, seed=index)
+            yield _multi_turn(args, level.concurrency, seed=index)
             continue
         count = args.requests + args.warmup
+        if args.workload == "sharegpt":
+            yield _split(_sharegpt(args, count, seed=index), args.warmup)
+            continue
         texts = (prompt_sets.shared_prefix(args.prefix_tokens, count, seed=index)
                  if args.workload == "shared-prefix"
                  else prompt_sets.mixed(count, *MIXED_TOKENS, seed=index))
         yield _split(texts, args.warmup)
 
 
-def _standard(args: argparse.Namespace) -> Iterator[LevelPlan]:
+def _sharegpt(args: argparse.Namespace, count: int, seed: int) -> list[Sized]:
+    """Prompts with their own output lengths: synthetic, or a seeded sample of the file's
+    conversations (cycled through if it holds fewer)."""
+    if args.dataset_path is None:
+        pairs = prompt_sets.sharegpt_synthetic(count, seed)
+    else:
+        pool = prompt_sets.sharegpt_file(args.dataset_path)
+        random.Random(seed).shuffle(pool)
+        pairs = [pool[i % len(pool)] for i in range(count)]
+    return [Sized(prompt, n_out) for prompt, n_out in pairs]
+
+
+def _standard(args: argparse.Namespace, n_plans: int) -> Iterator[LevelPlan]:
     n_prompts = args.requests + args.warmup
     if args.prompt_tokens:
-        texts = prompt_sets.synthetic(args.prompt_tokens, n_prompts * len(args.concurrency))
+        texts = prompt_sets.synthetic(args.prompt_tokens, n_prompts * n_plans)
     elif args.prompt_file:
         texts = prompt_sets.from_file(args.prompt_file)
     else:
         texts = list(prompt_sets.DEFAULT_PROMPTS)
-    for index in range(len(args.concurrency)):
+    for index in range(n_plans):
         # A synthetic set has every prompt different; a short list cycles on from level to level.
         yield _split(prompt_sets.for_requests(texts, n_prompts, offset=index * n_prompts),
                      args.warmup)
 
 
-def _split(texts: list[str], warmup: int) -> LevelPlan:
+def _split(texts: list[Prompt], warmup: int) -> LevelPlan:
     """The first `warmup` prompts warm the server up (and, for a shared prefix, its cache)."""
     return LevelPlan(warmup=list(texts[:warmup]), prompts=list(texts[warmup:]))
 

@@ -18,8 +18,8 @@ def test_percentile_interpolates_like_numpy():
 
 def test_distribution_in_milliseconds():
     d = distribution([0.001, 0.002, 0.003])
-    assert d == pytest.approx({"mean": 2.0, "p50": 2.0, "p99": 2.98})
-    assert distribution([]) == {"mean": None, "p50": None, "p99": None}
+    assert d == pytest.approx({"mean": 2.0, "p50": 2.0, "p90": 2.8, "p99": 2.98})
+    assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 
 def _result(start: float, ttft: float, gaps: list[float], tokens: int, **kw) -> RequestResult:

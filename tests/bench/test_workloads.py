@@ -8,7 +8,7 @@ import pytest
 
 from cllm.bench import prompts
 from cllm.bench.cli import load_settings, parse_args
-from cllm.bench.loadgen import HttpTarget
+from cllm.bench.loadgen import HttpTarget, Level
 from cllm.bench.workloads import SKIPPED, Conversation, plans
 
 
@@ -112,7 +112,7 @@ def test_level_plan_runs_conversations_with_figures_per_turn():
 
     async def run():
         async with httpx.AsyncClient(transport=_chat_server(sent)) as client:
-            return await plan.run(HttpTarget("http://fake", "m", load, client).send, 4)
+            return await plan.run(HttpTarget("http://fake", "m", load, client).send, Level(concurrency=4))
 
     results, duration, figures = asyncio.run(run())
     assert len(results) == len(sent) == 8 and duration > 0 and all(r.ok for r in results)

@@ -1,0 +1,47 @@
+"""What the server says about its model: the names clients address it by and its size, for
+/v1/models, /v1/models/{id} and /props.
+
+Two names: the served name (`id`: --served-model-name, else the alias or file name given to
+--model) and the repository the weights come from (`root`, as vLLM reports it), which tools such
+as benchmarks use to find the model's tokenizer."""
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from cllm.models import ALIASES
+
+# GGUF metadata keys that name the model's own repository, most specific first. The base model's
+# comes last: a fine-tune's tokenizer is usually its base's, but its name is not.
+_REPO_KEYS = ("general.source.huggingface.repository", "general.repo_url",
+              "general.source.repo_url")
+_BASE_REPO_KEY = "general.base_model.0.repo_url"
+
+
+def repo_id(metadata: dict[str, str], model_arg: str | None) -> str | None:
+    """"org/name" from the GGUF's metadata, else from the alias the model was loaded by."""
+    for key in _REPO_KEYS:
+        found = _org_name(metadata.get(key, ""))
+        if found:
+            return found
+    spec = ALIASES.get(model_arg or "")
+    if spec is not None and spec.repo_id:
+        return spec.repo_id
+    return _org_name(metadata.get(_BASE_REPO_KEY, ""))
+
+
+def _org_name(value: str) -> str | None:
+    """"org/name" from a repository id or a repository URL (its path's first two parts)."""
+    path = urlparse(value).path if "://" in value else value
+    parts = [p for p in path.split("/") if p]
+    return f"{parts[0]}/{parts[1]}" if len(parts) >= 2 else None
+
+
+def model_card(name: str, root: str, engine) -> dict:
+    """One entry of /v1/models, in OpenAI's shape with vLLM's `root` and `max_model_len`, and
+    llama-server's `meta`."""
+    model = engine.model
+    return {"id": name, "object": "model", "created": 0, "owned_by": "cllm", "root": root,
+            "parent": None, "max_model_len": engine.max_seq_len,
+            "meta": {"n_ctx": engine.max_seq_len, "n_ctx_train": model.n_ctx_train,
+                     "n_vocab": model.n_vocab, "n_params": model.n_params,
+                     "size": model.size_bytes, "description": model.description}}

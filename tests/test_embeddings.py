@@ -1,0 +1,110 @@
+"""/v1/embeddings: request parsing without a model, then the real server through the openai SDK
+(which asks for base64 unless told otherwise) and raw HTTP."""
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from cllm.api import APIError
+from cllm.embedder import pooling_of
+from cllm.embeddings import MAX_INPUTS, parse_embeddings
+from http_checks import assert_error
+from server_process import ServerProcess
+
+MODEL = "smollm2-135m-instruct"
+
+
+# ---- parsing ----
+
+@pytest.mark.parametrize("value, expected", [
+    ("hello", ["hello"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_input_forms(value, expected):
+    req = parse_embeddings({"input": value})
+    assert req.inputs == expected and req.base64 is False
+    assert parse_embeddings({"input": value, "encoding_format": "base64"}).base64 is True
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "input"), ({"input": ""}, "input"), ({"input": []}, "input"),
+    ({"input": ["ok", ""]}, "input"), ({"input": [[1], []]}, "input"),
+    ({"input": [1, "a"]}, "input"), ({"input": [-1]}, "input"), ({"input": {"a": 1}}, "input"),
+    ({"input": ["x"] * (MAX_INPUTS + 1)}, "input"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+])
+def test_bad_input_is_a_400_naming_the_field(body, param):
+    with pytest.raises(APIError) as info:
+        parse_embeddings(body)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_pooling_comes_from_the_gguf_else_mean():
+    assert pooling_of({"general.architecture": "bert", "bert.pooling_type": "2"}) == "cls"
+    assert pooling_of({"general.architecture": "qwen3", "qwen3.pooling_type": "3"}) == "last"
+    assert pooling_of({"general.architecture": "llama", "llama.pooling_type": "0"}) == "mean"
+    assert pooling_of({"general.architecture": "llama"}) == "mean"
+
+
+# ---- the server ----
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--parallel", "2") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b)) / math.sqrt(
+        sum(x * x for x in a) * sum(y * y for y in b))
+
+
+def test_same_text_gives_the_same_unit_vector(client):
+    text = "The quick brown fox jumps over the lazy dog."
+    first = client.embeddings.create(model=MODEL, input=text)
+    again = client.embeddings.create(model=MODEL, input=text, encoding_format="float")
+    batched = client.embeddings.create(model=MODEL, input=["Something else entirely.", text])
+    (a,), (b,) = first.data, again.data
+    assert a.index == 0 and a.object == "embedding" and first.model == MODEL
+    assert len(a.embedding) == 576  # SmolLM2-135M's hidden size
+    assert math.isclose(math.sqrt(sum(x * x for x in a.embedding)), 1.0, rel_tol=1e-5)
+    assert a.embedding == pytest.approx(b.embedding, abs=1e-6)  # base64 and float agree
+    assert [d.index for d in batched.data] == [0, 1]
+    assert cosine(batched.data[1].embedding, a.embedding) > 0.9999
+
+
+def test_related_texts_are_closer_than_unrelated(client):
+    texts = ["The cat sat on the mat.", "A cat was sitting on the mat.",
+             "Quarterly revenue rose eight percent on strong bond trading."]
+    cat, cat2, revenue = (d.embedding for d in
+                          client.embeddings.create(model=MODEL, input=texts).data)
+    assert cosine(cat, cat2) > cosine(cat, revenue)
+    assert cosine(cat, cat2) > cosine(cat2, revenue)
+
+
+def test_usage_counts_the_input_tokens(client, server):
+    tokens = httpx.post(server.url + "/tokenize",
+                        json={"content": "Hello there", "add_special": True}).json()["tokens"]
+    r = client.embeddings.create(model=MODEL, input=["Hello there", tokens])
+    assert r.usage.prompt_tokens == r.usage.total_tokens == 2 * len(tokens)
+    assert cosine(r.data[0].embedding, r.data[1].embedding) > 0.9999  # text and its ids agree
+
+
+def test_bad_requests_get_openai_shaped_400s(server, client):
+    url = server.url + "/v1/embeddings"
+    assert_error(httpx.post(url, json={"input": ""}), 400)
+    assert_error(httpx.post(url, json={"input": [10 ** 9]}), 400)
+    too_long = httpx.post(url, json={"input": [1] * 3000})
+    assert_error(too_long, 400, code="context_length_exceeded")
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=MODEL, input=[])
