@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import threading
@@ -18,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cllm import api
-from cllm.api import APIError
+from cllm import api, tools
+from cllm.api import APIError, Constraint
 from cllm.chat_template import ChatTemplate, TemplateRenderer
 from cllm.config import SamplingParams, ServerConfig
 from cllm.engine import Delta, Engine, EngineStoppedError, PromptTooLongError
@@ -28,6 +29,7 @@ from cllm.generation import Generation, SequenceFailure, failure
 from cllm.metrics import CONTENT_TYPE, Metrics
 from cllm.responses import Token, token_name
 from cllm.sequence import FINISH_ABORT
+from cllm.structured import GrammarError
 
 log = logging.getLogger("cllm.server")
 
@@ -212,10 +214,27 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     return JSONResponse(await until_disconnect(request, generation.collect()))
 
 
-def _new_format(cls, request: Request, prefix: str, sampling: SamplingParams) -> Format:
+def _new_format(cls, request: Request, prefix: str, sampling: SamplingParams, **kwargs) -> Format:
     state: AppState = request.app.state.cllm
     return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
-               state.token, sampling.logprobs is not None)
+               state.token, sampling.logprobs is not None, **kwargs)
+
+
+async def constrained(engine: Engine, sampling: SamplingParams,
+                      constraint: Constraint | None) -> SamplingParams:
+    """`sampling` with its constraint compiled (cached by its text; in a worker thread, since
+    a large schema takes a while). One that does not compile is a 400 naming its field, before
+    anything is queued."""
+    if constraint is None:
+        return sampling
+    compile_ = {"json_schema": engine.grammars.json_schema, "gbnf": engine.grammars.gbnf,
+                "lark": engine.grammars.lark}[constraint.kind]
+    try:
+        grammar = await asyncio.to_thread(compile_, constraint.value)
+    except GrammarError as exc:
+        raise APIError(400, f"{constraint.param}: {exc}", param=constraint.param,
+                       code="invalid_grammar") from None
+    return dataclasses.replace(sampling, grammar=grammar)
 
 
 def guarded(handler, error_body=APIError.body):
@@ -247,10 +266,11 @@ async def completions(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = api.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
         engine, req.prompt, add_special=True)
-    fmt = _new_format(CompletionFormat, request, "cmpl", req.sampling)
-    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
+    fmt = _new_format(CompletionFormat, request, "cmpl", sampling)
+    return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
 
@@ -258,13 +278,20 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
-    text = await state.renderer.render(req.messages)
+    constraint = req.constraint
+    calls = req.tools is not None and req.tools.calls
+    if calls and (grammar := tools.call_grammar(req.tools)) is not None:
+        constraint = Constraint("lark", grammar, "tool_choice")  # the reply is forced calls
+    sampling = await constrained(engine, req.sampling, constraint)
+    messages, offered = tools.prompt_messages(req.messages, req.tools,
+                                              state.renderer.template.takes_tools)
+    text = await state.renderer.render(messages, offered)
     # Templates that write the BOS token themselves must not get a second one. The check is on
     # the BOS token's text ("<bos>"): its piece without special=True is empty.
     bos = state.renderer.template.bos_token if engine.model.adds_bos else None
     prompt = await tokenize_text(engine, text, add_special=not (bos and text.startswith(bos)))
-    fmt = _new_format(ChatFormat, request, "chatcmpl", req.sampling)
-    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
+    fmt = _new_format(ChatFormat, request, "chatcmpl", sampling, tool_calls=calls)
+    return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
 
@@ -272,10 +299,10 @@ async def generate(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = await tokenize_text(engine, req.prompt, add_special=True)
-    fmt = _new_format(GenerateFormat, request, "gen", req.sampling)
-    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
-                         req.cache_prompt)
+    fmt = _new_format(GenerateFormat, request, "gen", sampling)
+    return await respond(request, fmt, prompt, sampling, 1, req.stream, False, req.cache_prompt)
 
 
 async def models(request: Request, state: AppState) -> Response:
