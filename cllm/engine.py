@@ -362,7 +362,7 @@ class Engine:
 
     def _step_masks(self, out: SchedulerOutput):
         """(mask_rows, masks) for Context.step: the allowed tokens of each constrained row that
-        samples this step, all computed in one call; (None, None) when no row is constrained."""
+        samples this step, into one buffer; (None, None) when no row is constrained."""
         matchers = []
         mask_rows = None
         for r, chunk in enumerate(out.chunks):
@@ -383,10 +383,9 @@ class Engine:
         for i, _ in got:
             seq = out.chunks[i].seq
             matcher = self._live[seq].matcher
-            token = seq.output_token_ids[-1]
-            if matcher is None or seq.is_finished:
+            if matcher is None or seq.is_finished:  # an end token or max_tokens ended it
                 continue
-            if not matcher.consume_token(token):
+            if not matcher.consume_token(seq.output_token_ids[-1]):
                 self.scheduler.finish(seq, FINISH_ERROR, now,
                                       f"the grammar refused a token: {matcher.get_error()}")
             elif matcher.is_stopped():

@@ -1,6 +1,6 @@
 """Constrained decoding with llguidance: grammars (JSON Schema, GBNF, Lark) compiled against the
-GGUF's own vocabulary, one matcher per sequence, and each step's token bitmasks filled in one
-call that releases the GIL. The core applies the bitmasks (Context.step's `masks`).
+GGUF's own vocabulary, one matcher per sequence, and each step's token bitmasks filled with the
+GIL released. The core applies the bitmasks (Context.step's `masks`).
 
 ARCHITECTURE.md has the measurements that chose llguidance over xgrammar."""
 from __future__ import annotations
@@ -119,12 +119,13 @@ class Grammars:
 
 
 class MaskFiller:
-    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each, in one
-    llguidance call that spreads the rows over its threads with the GIL released."""
+    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each. Each
+    matcher computes its mask on the engine thread with the GIL released. llguidance's
+    LLExecutor spreads rows over a thread pool, but waking it cost 150-800 us a row on the
+    2-core CPU against ~15 us done in turn (bench/structured_libs.py; ARCHITECTURE.md)."""
 
-    def __init__(self, words: int, n_threads: int | None = None) -> None:
+    def __init__(self, words: int) -> None:
         self.words = words
-        self._executor = llguidance.LLExecutor(n_threads)
         self._buffer = array("i")
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> memoryview:
@@ -133,7 +134,7 @@ class MaskFiller:
         size = len(matchers) * self.words
         if len(self._buffer) < size:
             self._buffer = array("i", bytes(4 * size))
-        address = self._buffer.buffer_info()[0]
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], address,
-                                               4 * self.words, len(matchers))
+        address, nbytes = self._buffer.buffer_info()[0], 4 * self.words
+        for i, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
         return memoryview(self._buffer)[:size]

