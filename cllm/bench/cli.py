@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="standard: the prompts below; shared-prefix: one long document, a "
                            "different question after it each request; multi-turn: chat "
                            "conversations, each turn resending the history; mixed: prompts "
-                           f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform "
-                           "(default standard)")
+                           f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform; "
+                           "structured: tickets to triage, each server measured free and "
+                           "with a JSON schema (default standard)")
     source = load.add_mutually_exclusive_group()
     source.add_argument("--prompt-tokens", type=_positive,
                         help="standard workload: synthetic prompts of about N tokens, all "
@@ -110,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rejects options the workload would ignore; resolves the endpoint it needs."""
-    if args.workload != "standard" and (args.prompt_tokens or args.prompt_file):
+    if args.workload not in ("standard", "structured") and (args.prompt_tokens
+                                                             or args.prompt_file):
         parser.error(f"--prompt-tokens and --prompt-file are for the standard workload; "
                      f"{args.workload} makes its own prompts")
     if args.workload == "multi-turn":
@@ -118,6 +120,12 @@ def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error("multi-turn sends message histories: it needs --endpoint chat")
         if args.engine_direct:
             parser.error("multi-turn needs a chat template: --engine-direct has none")
+        args.endpoint = "chat"
+    if args.workload == "structured":
+        if args.endpoint == "completions":
+            parser.error("structured sends response_format: it needs --endpoint chat")
+        if args.engine_direct:
+            parser.error("structured needs a chat template: --engine-direct has none")
         args.endpoint = "chat"
     args.endpoint = args.endpoint or "completions"
 

@@ -4,7 +4,9 @@ standard: the default prompts, --prompt-file, or --prompt-tokens synthetic ones.
 shared-prefix: one long document, each request with its own question after it.
 mixed: prompt lengths log-uniform from 16 to 4,000 tokens, all different.
 multi-turn: conversations over the chat endpoint; each turn resends the whole history, with the
-server's own replies, so a server that reuses its cache answers later turns sooner."""
+server's own replies, so a server that reuses its cache answers later turns sooner.
+structured: the default prompts as support tickets to triage over the chat endpoint; each server
+is measured free (ignore_eos) and constrained by prompts.TICKET_SCHEMA (response_format)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +20,7 @@ from . import prompts as prompt_sets
 from .loadgen import Prompt, RequestResult, Sender, run_jobs, run_level
 from .stats import by_turn
 
-WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed")
+WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed", "structured")
 MIXED_TOKENS = (16, 4000)
 SKIPPED = "not sent: an earlier turn of its conversation failed"
 
@@ -70,7 +72,7 @@ class LevelPlan:
 def plans(args: argparse.Namespace) -> Iterator[LevelPlan]:
     """One plan per concurrency level, in order. Each level gets its own prompts (seeded by
     the level's position), so no level starts with what an earlier one left in a cache."""
-    if args.workload == "standard":
+    if args.workload in ("standard", "structured"):
         yield from _standard(args)
         return
     for index, level in enumerate(args.concurrency):
@@ -92,6 +94,8 @@ def _standard(args: argparse.Namespace) -> Iterator[LevelPlan]:
         texts = prompt_sets.from_file(args.prompt_file)
     else:
         texts = list(prompt_sets.DEFAULT_PROMPTS)
+    if args.workload == "structured":
+        texts = [prompt_sets.ticket(t) for t in texts]
     for index in range(len(args.concurrency)):
         # A synthetic set has every prompt different; a short list cycles on from level to level.
         yield _split(prompt_sets.for_requests(texts, n_prompts, offset=index * n_prompts),
