@@ -7,7 +7,7 @@ from array import array
 from cpython cimport array as carray
 from cython.parallel cimport prange
 from libc.math cimport expf, logf, sqrt, INFINITY
-from libc.stdint cimport int32_t
+from libc.stdint cimport int32_t, uint32_t
 from libc.stdio cimport fputs, stderr
 from libc.stdlib cimport calloc, free, malloc
 
@@ -159,6 +159,10 @@ cdef class Model:
         """Whether `token` ends generation (EOS, EOT and the model's other end tokens)."""
         return llama_vocab_is_eog(self.vocab, token)
 
+    def is_control(self, int token):
+        """Whether `token` is a control token ('<|im_start|>'): text never spells it."""
+        return llama_vocab_is_control(self.vocab, token)
+
     def tokenize(self, str text, bint add_special=True, bint parse_special=False):
         """Token ids of `text`; `add_special` adds BOS where the model wants it,
         `parse_special` turns special-token text (e.g. '<|im_start|>') into its token."""
@@ -247,9 +251,11 @@ cdef class Context:
     cdef int * out_row
     cdef int32_t * out_idx
     cdef float ** out_logits
+    cdef const uint32_t ** out_mask  # the allowed tokens' bitmask, NULL: unconstrained
     cdef int * out_tokens
     cdef readonly Model model
     cdef readonly int n_ctx, n_ctx_seq, n_seq_max, n_batch, n_vocab
+    cdef readonly int mask_words  # uint32 words of one token bitmask: a bit per vocabulary entry
     cdef readonly bint kv_unified, aligned_prefill
     cdef volatile int _interrupted  # set from any thread: a decode run stops after its step
 
@@ -283,6 +289,7 @@ cdef class Context:
         self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_batch = llama_n_batch(self.ctx)
         self.n_vocab = model.n_vocab
+        self.mask_words = (self.n_vocab + 31) // 32
         self.n_threads = params.n_threads
         self.batch = llama_batch_init(self.n_batch, 0, 1)
         self.chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
@@ -291,6 +298,7 @@ cdef class Context:
         self.out_row = <int *> malloc(self.n_batch * sizeof(int))
         self.out_idx = <int32_t *> malloc(self.n_batch * sizeof(int32_t))
         self.out_logits = <float **> malloc(self.n_batch * sizeof(float *))
+        self.out_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
         eog = model.eog_tokens
         self.n_eog = len(eog)
@@ -298,6 +306,7 @@ cdef class Context:
         if (self.chains is NULL or self.ban_eog is NULL or self.out_seq is NULL
                 or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
+                or self.out_mask is NULL
                 or self.eog_ids is NULL):
             raise MemoryError()
         for i, token in enumerate(eog):
@@ -316,6 +325,7 @@ cdef class Context:
         free(self.out_row)
         free(self.out_idx)
         free(self.out_logits)
+        free(<void *> self.out_mask)
         free(self.out_tokens)
         if self.batch.token is not NULL:
             llama_batch_free(self.batch)
@@ -448,13 +458,18 @@ cdef class Context:
         return used
 
     def step(self, const int[::1] seq_ids, const int[::1] positions, const int[::1] n_tokens,
-             const int[::1] sample, const int[::1] tokens, const int[::1] top_logprobs=None):
+             const int[::1] sample, const int[::1] tokens, const int[::1] top_logprobs=None,
+             const int[::1] mask_rows=None, const int[::1] masks=None):
         """Decode one batch and sample.
 
         Row r feeds `n_tokens[r]` tokens (taken in order from `tokens`) of sequence `seq_ids[r]`,
         the first at `positions[r]`. Rows with `sample[r]` get a token sampled from the logits of
         their last token; the others get -1. With `top_logprobs` (-1: none, k >= 0: the chosen
         token's log-probability and the k most likely), returns (tokens, Logprobs), else tokens.
+        With `mask_rows` (-1: none, m >= 0: bitmask m of `masks`, which holds `mask_words` words
+        per bitmask, a set bit for each allowed token), a row samples only among its allowed
+        tokens: the others' logits become -inf before its sampler (or argmax) and the
+        log-probabilities see them, so they report the constrained distribution.
 
         With `aligned_prefill` (split streams only), the one-token rows decode together and
         each longer row on its own, cut at its last multiple of PREFILL_BLOCK (see there). Raises KVCacheFullError when the batch
@@ -465,6 +480,7 @@ cdef class Context:
         if top_logprobs is not None and top_logprobs.shape[0] != n_rows:
             raise ValueError("top_logprobs must have one entry per row")
         self._check_rows(seq_ids, n_tokens, tokens)
+        cdef const uint32_t * mask_data = self._check_masks(n_rows, mask_rows, masks)
         cdef carray.array out = carray.clone(_INT_ARRAY, n_rows, False)
         cdef int k = 0
         cdef Logprobs lp = None
@@ -481,11 +497,13 @@ cdef class Context:
             wanted.chosen = lp.chosen.data.as_floats
             wanted.top_ids = lp.top_ids.data.as_ints
             wanted.top_lps = lp.top_logprobs.data.as_floats
+        cdef const int * row_masks = &mask_rows[0] if mask_data != NULL else NULL
         cdef int32_t rc
         cdef int failed_call = 0
         with nogil:
             rc = self._decode_pieces(pieces, seq_ids, positions, n_tokens, sample, tokens,
-                                     out.data.as_ints, &wanted, &failed_call)
+                                     mask_data, row_masks, out.data.as_ints, &wanted,
+                                     &failed_call)
         if rc == 1 and failed_call == 0:
             raise KVCacheFullError(rc, "no room in the KV cache for this batch")
         if rc != 0:
@@ -565,6 +583,7 @@ cdef class Context:
             for i in range(n):
                 self.out_seq[i] = seq_ids[rows[i]]
                 self.out_idx[i] = <int32_t> i
+                self.out_mask[i] = NULL  # constrained rows never run (see Engine._run_length)
             self._sample_outputs(<int> n, self.out_tokens)
             for i in range(n):
                 r = rows[i]
@@ -590,9 +609,10 @@ cdef class Context:
 
     cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
-        one's sequence and batch index. Those with a sampler chain go in turn, the greedy ones by
-        an argmax spread over the threads (on a GPU the logits of a 64-row step are 12 MB; one
-        core scanning them took a third of the step)."""
+        one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Those
+        with a sampler chain go in turn, the greedy ones by an argmax spread over the threads (on
+        a GPU the logits of a 64-row step are 12 MB; one core scanning them took a third of the
+        step), each masked first in the same loop."""
         cdef int i, n_greedy = 0
         cdef llama_sampler * chain
         cdef float ** logits = self.out_logits
@@ -604,6 +624,9 @@ cdef class Context:
             logits[i] = NULL
             out[i] = -1
             if chain is not NULL:
+                if self.out_mask[i] != NULL and all_logits is not NULL:
+                    _apply_mask(all_logits + <size_t> i * self.n_vocab, self.n_vocab,
+                                self.out_mask[i])
                 out[i] = llama_sampler_sample(chain, self.ctx, self.out_idx[i])
             elif all_logits is not NULL:
                 logits[i] = all_logits + <size_t> i * self.n_vocab
@@ -612,9 +635,12 @@ cdef class Context:
         cdef const unsigned char * ban = self.ban_eog
         cdef const int * seqs = self.out_seq
         cdef const int * eog = self.eog_ids
+        cdef const uint32_t ** masks = self.out_mask
         cdef int n_eog = self.n_eog, n_vocab = self.n_vocab
         for i in prange(n, num_threads=threads, schedule="static"):
             if logits[i] is not NULL:
+                if masks[i] != NULL:
+                    _apply_mask(logits[i], n_vocab, masks[i])
                 out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
 
     cdef void _check_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
@@ -633,9 +659,25 @@ cdef class Context:
             if tokens[r] < 0 or tokens[r] >= self.n_vocab:
                 raise ValueError(f"token id {tokens[r]} outside the vocabulary [0, {self.n_vocab})")
 
+    cdef const uint32_t * _check_masks(self, Py_ssize_t n_rows, const int[::1] mask_rows,
+                                       const int[::1] masks) except? NULL:
+        """The bitmasks' first word, or NULL when no row is constrained."""
+        if mask_rows is None and masks is None:
+            return NULL
+        if mask_rows is None or masks is None or mask_rows.shape[0] != n_rows:
+            raise ValueError("mask_rows (one entry per row) and masks go together")
+        cdef Py_ssize_t r, n_masks = masks.shape[0] // self.mask_words
+        if masks.shape[0] != n_masks * self.mask_words:
+            raise ValueError(f"masks must hold whole bitmasks of {self.mask_words} words")
+        for r in range(n_rows):
+            if mask_rows[r] < -1 or mask_rows[r] >= n_masks:
+                raise ValueError(f"row {r} names bitmask {mask_rows[r]} of {n_masks}")
+        return <const uint32_t *> &masks[0] if n_masks else NULL
+
     cdef int32_t _decode_pieces(self, _Pieces pieces, const int[::1] seq_ids,
                                 const int[::1] positions, const int[::1] n_tokens,
-                                const int[::1] sample, const int[::1] tokens, int * out,
+                                const int[::1] sample, const int[::1] tokens,
+                                const uint32_t * masks, const int * mask_rows, int * out,
                                 _RowLogprobs * wanted, int * failed_call) noexcept nogil:
         """One llama_decode per call of the plan, sampling the rows that end in it (and their
         log-probabilities, while that call's logits are there)."""
@@ -660,6 +702,9 @@ cdef class Context:
                     self.out_seq[n_out] = seq_ids[r]
                     self.out_idx[n_out] = i - 1
                     self.out_row[n_out] = r
+                    self.out_mask[n_out] = NULL
+                    if masks != NULL and mask_rows[r] >= 0:
+                        self.out_mask[n_out] = masks + <size_t> mask_rows[r] * self.mask_words
                     n_out += 1
             self.batch.n_tokens = <int32_t> i
             rc = llama_decode(self.ctx, self.batch)
@@ -916,6 +961,21 @@ cdef int _greedy(float * logits, int n, const int * banned, int n_banned) noexce
     for i in range(n_banned):
         logits[banned[i]] = -INFINITY
     return _argmax(logits, n)
+
+
+cdef void _apply_mask(float * logits, int n, const uint32_t * mask) noexcept nogil:
+    """Set the logit of every token whose bit in `mask` is clear to -inf; a word whose 32
+    tokens are all allowed is skipped whole."""
+    cdef int w, b, first
+    cdef uint32_t bits
+    for w in range((n + 31) // 32):
+        bits = mask[w]
+        if ~bits == 0:
+            continue
+        first = w * 32
+        for b in range(min(32, n - first)):
+            if not (bits >> b) & 1:
+                logits[first + b] = -INFINITY
 
 
 cdef int _argmax(const float * logits, int n) noexcept nogil:

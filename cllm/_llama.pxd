@@ -107,6 +107,7 @@ cdef extern from "llama.h" nogil:
     llama_token llama_vocab_eos(const llama_vocab * vocab)
     llama_token llama_vocab_eot(const llama_vocab * vocab)
     bint llama_vocab_is_eog(const llama_vocab * vocab, llama_token token)
+    bint llama_vocab_is_control(const llama_vocab * vocab, llama_token token)
     bint llama_vocab_get_add_bos(const llama_vocab * vocab)
 
     int32_t llama_tokenize(const llama_vocab * vocab, const char * text, int32_t text_len,

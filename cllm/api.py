@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from cllm.config import MAX_TOP_LOGPROBS, SamplingParams
+from cllm.tools import Tool, ToolSpec
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID = (1 << 31) - 1  # llama_token is int32
@@ -36,6 +37,15 @@ class APIError(Exception):
                           "param": self.param}}
 
 
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match, before it is compiled (server.py compiles it): a JSON Schema
+    ("json_schema") or a grammar ("gbnf", "lark"); `param` is the field it came from."""
+    kind: str
+    value: object
+    param: str
+
+
 @dataclass(slots=True)
 class CompletionRequest:
     """POST /v1/completions."""
@@ -48,11 +58,13 @@ class CompletionRequest:
     sampling: SamplingParams
     cache_prompt: bool = True  # llama-server's field: False computes the whole prompt
     return_token_ids: bool = False  # vLLM's field: prompt and output token ids in the response
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True)
 class ChatRequest:
-    """POST /v1/chat/completions. Each message is {"role", "content": str}."""
+    """POST /v1/chat/completions. Each message is {"role", "content": str}, an assistant's
+    also "tool_calls" when it called tools, a tool's "tool_call_id"."""
     model: str | None
     messages: list[dict]
     n: int
@@ -61,6 +73,8 @@ class ChatRequest:
     sampling: SamplingParams
     cache_prompt: bool = True
     return_token_ids: bool = False
+    constraint: Constraint | None = None
+    tools: ToolSpec | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +84,7 @@ class GenerateRequest:
     stream: bool
     sampling: SamplingParams
     cache_prompt: bool = True
+    constraint: Constraint | None = None
 
 
 def _invalid(param: str, message: str) -> APIError:
@@ -237,8 +252,7 @@ def _return_token_ids(body: dict) -> bool:
 
 # Fields that change the output but are not implemented yet: refused, never silently ignored.
 # Each maps to the values that ask for nothing (null, absent, and these), which are accepted.
-_NOT_IMPLEMENTED = {"response_format": ({"type": "text"},), "tools": ([],),
-                    "tool_choice": ("none",), "logit_bias": ({},)}
+_NOT_IMPLEMENTED = {"logit_bias": ({},)}
 
 
 def _refuse_unimplemented(body: dict) -> None:
@@ -246,6 +260,102 @@ def _refuse_unimplemented(body: dict) -> None:
         value = body.get(name)
         if value is not None and value not in harmless:
             raise _invalid(name, f"{name} is not supported yet")
+
+
+# ---- structured output ----
+
+def _schema(param: str, value: object) -> dict | bool:
+    if not isinstance(value, (dict, bool)):
+        raise _invalid(param, f"{param} must be a JSON Schema (an object or a boolean)")
+    return value
+
+
+def _response_format(value: object) -> Constraint | None:
+    """OpenAI's response_format; llama-server's {"type": "json_object", "schema": {...}} too."""
+    if not isinstance(value, dict):
+        raise _invalid("response_format", "response_format must be an object")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = value.get("schema")
+        return Constraint("json_schema", {"type": "object"} if schema is None
+                          else _schema("response_format.schema", schema), "response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _invalid("response_format", "response_format.json_schema must be an object "
+                           'holding the "schema"')
+        schema = spec.get("schema")
+        return Constraint("json_schema", {} if schema is None
+                          else _schema("response_format.json_schema.schema", schema),
+                          "response_format")
+    raise _invalid("response_format",
+                   "response_format.type must be text, json_object or json_schema")
+
+
+def _constraint(body: dict) -> Constraint | None:
+    """The output's constraint from response_format, or llama-server's json_schema or grammar
+    (GBNF) fields: at most one of them."""
+    given = [name for name in ("response_format", "json_schema", "grammar")
+             if body.get(name) is not None]
+    if len(given) > 1:
+        raise _invalid(given[1], f"{' and '.join(given)}: give only one")
+    if not given:
+        return None
+    if given[0] == "response_format":
+        return _response_format(body["response_format"])
+    if given[0] == "json_schema":
+        return Constraint("json_schema", _schema("json_schema", body["json_schema"]),
+                          "json_schema")
+    grammar = body["grammar"]
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise _invalid("grammar", "grammar must be a non-empty GBNF grammar")
+    return Constraint("gbnf", grammar, "grammar")
+
+
+def _tool(i: int, value: object) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(value, dict) or value.get("type", "function") != "function":
+        raise _invalid("tools", f'{where} must be {{"type": "function", "function": {{...}}}}')
+    function = value.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+            or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", function["name"]):
+        raise _invalid("tools", f"{where}.function.name must be 1 to 64 letters, digits, "
+                       "'_', '.' or '-'")
+    description = function.get("description") or ""
+    if not isinstance(description, str):
+        raise _invalid("tools", f"{where}.function.description must be a string")
+    parameters = function.get("parameters")
+    parameters = {"type": "object", "properties": {}} if parameters is None else parameters
+    if not isinstance(parameters, dict):
+        raise _invalid("tools", f"{where}.function.parameters must be a JSON Schema object")
+    return Tool(function["name"], description, parameters)
+
+
+def _tool_spec(body: dict) -> ToolSpec | None:
+    """tools, tool_choice and parallel_tool_calls; None when no tool is offered."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = _field(body, "parallel_tool_calls", "a boolean", True)
+    if tools is not None and not isinstance(tools, list):
+        raise _invalid("tools", "tools must be an array")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise _invalid("tool_choice", "tool_choice needs tools")
+        return None
+    parsed = tuple(_tool(i, t) for i, t in enumerate(tools))
+    if len({t.name for t in parsed}) != len(parsed):
+        raise _invalid("tools", "tools: two functions have the same name")
+    if choice is None or choice in ("auto", "none", "required"):
+        return ToolSpec(parsed, choice or "auto", None, parallel)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise _invalid("tool_choice", 'tool_choice must be "auto", "none", "required" or '
+                       '{"type": "function", "function": {"name": ...}}')
+    if name not in {t.name for t in parsed}:
+        raise _invalid("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+    return ToolSpec(parsed, "function", name, parallel)
 
 
 # ---- endpoints ----
@@ -282,7 +392,8 @@ def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> Comple
         model=_field(body, "model", "a string"), prompt=prompt,
         n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
         echo=echo, sampling=_sampling(body, max_tokens, logprobs),
-        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body))
+        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body),
+        constraint=_constraint(body))
 
 
 def _content(where: str, role: str, content: object) -> str:
@@ -316,8 +427,26 @@ def _messages(value: object) -> list[dict]:
             raise _invalid("messages", f"{where}.role must be one of {', '.join(ROLES)}")
         content = _content(where, role, message.get("content"))
         # OpenAI's "developer" is its newer name for "system", which chat templates know.
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
+        kept = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            kept["tool_calls"] = _tool_calls(where, message["tool_calls"])
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            kept["tool_call_id"] = message["tool_call_id"]
+        messages.append(kept)
     return messages
+
+
+def _tool_calls(where: str, calls: object) -> list[dict]:
+    """An assistant message's earlier calls: [{"id", "type", "function": {"name", "arguments"}}]."""
+    if not isinstance(calls, list):
+        raise _invalid("messages", f"{where}.tool_calls must be an array")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), (str, dict))):
+            raise _invalid("messages", f"{where}.tool_calls[{j}] must be "
+                           '{"id", "type": "function", "function": {"name", "arguments"}}')
+    return calls
 
 
 def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
@@ -325,6 +454,10 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     context is full: max_tokens_limit."""
     messages = _messages(body.get("messages"))
     _refuse_unimplemented(body)
+    tools, constraint = _tool_spec(body), _constraint(body)
+    if tools is not None and tools.choice in ("required", "function") and constraint:
+        raise _invalid("tool_choice", f"tool_choice {tools.choice!r} constrains the reply "
+                       "already: it does not go with response_format, json_schema or grammar")
     max_tokens = _count(body, "max_completion_tokens", 1, max_tokens_limit, None)
     if max_tokens is None:
         max_tokens = _count(body, "max_tokens", 1, max_tokens_limit, max_tokens_limit)
@@ -337,7 +470,8 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
         model=_field(body, "model", "a string"), messages=messages,
         n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
         sampling=_sampling(body, max_tokens, top if want_logprobs else None),
-        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body))
+        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body),
+        constraint=constraint, tools=tools)
 
 
 def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
@@ -352,7 +486,7 @@ def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
                         min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
     return GenerateRequest(prompt=prompt, stream=_field(body, "stream", "a boolean", False),
                            sampling=_sampling(body, max_tokens, None),
-                           cache_prompt=_cache_prompt(body))
+                           cache_prompt=_cache_prompt(body), constraint=_constraint(body))
 
 
 def parse_tokenize(body: dict) -> tuple[str, bool, bool]:

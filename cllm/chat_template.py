@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import jinja2
+import jinja2.meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -74,21 +75,27 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         self.source = source
+        text = CHATML_TEMPLATE if source is None else source
         try:
-            self._template = env.from_string(CHATML_TEMPLATE if source is None else source)
+            self._template = env.from_string(text)
+            # Whether the template renders tools itself (else tools.py describes them).
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(text))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"invalid chat template (line {e.lineno}): {e.message}") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.max_chars = max_chars
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *,
+               add_generation_prompt: bool = True) -> str:
         """The prompt, rendered in this thread with no time or memory limit (TemplateRenderer
-        adds them); a template error or a prompt over max_chars is a 400 APIError."""
+        adds them); a template error or a prompt over max_chars is a 400 APIError. `tools`
+        (OpenAI's tool objects) reach the template as its `tools` variable, if given."""
+        extra = {"tools": tools} if tools is not None else {}
         try:
             return self._join(self._template.generate(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token))
+                bos_token=self.bos_token, eos_token=self.eos_token, **extra))
         except _RENDER_ERRORS as e:
             raise APIError(400, f"chat template error: {e}") from None
 
@@ -116,9 +123,9 @@ class TemplateRenderer:
         self._workers: set[_Worker] = set()
         self._lock = threading.Lock()
 
-    async def render(self, messages: list[dict]) -> str:
+    async def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._render, messages)
+        return await loop.run_in_executor(self._pool, self._render, messages, tools)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -126,12 +133,12 @@ class TemplateRenderer:
             for worker in self._workers:
                 worker.kill()
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
         worker = getattr(self._local, "worker", None)
         if worker is None or not worker.alive:
             worker = self._local.worker = self._start_worker()
         try:
-            return worker.render(messages, self.timeout)
+            return worker.render(messages, tools, self.timeout)
         except _WorkerLost as exc:
             with self._lock:
                 self._workers.discard(worker)
@@ -166,13 +173,13 @@ class _Worker:
     def alive(self) -> bool:
         return self._process.is_alive()
 
-    def render(self, messages: list[dict], timeout: float) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None, timeout: float) -> str:
         if not self._ready:
             try:
                 self._ready = self._receive(WORKER_START_TIMEOUT) == "ready"
             except _WorkerLost as exc:  # not the template's doing: a server fault
                 raise RuntimeError(f"a chat template worker did not start: {exc}") from None
-        self._conn.send(messages)
+        self._conn.send((messages, tools))
         ok, value = self._receive(timeout)
         if not ok:
             raise APIError(400, value)
@@ -195,18 +202,19 @@ class _Worker:
 
 
 def _serve(conn, source: str | None, bos_token: str, eos_token: str, max_chars: int) -> None:
-    """A render worker's main loop: messages in, (True, prompt) or (False, error message) out."""
+    """A render worker's main loop: (messages, tools) in, (True, prompt) or (False, error
+    message) out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     template = ChatTemplate(source, bos_token=bos_token, eos_token=eos_token, max_chars=max_chars)
     conn.send("ready")
     while True:
         try:
-            messages = conn.recv()
+            messages, tools = conn.recv()
         except EOFError:  # the server is gone
             return
         try:
-            conn.send((True, template.render(messages)))
+            conn.send((True, template.render(messages, tools)))
         except APIError as e:
             conn.send((False, e.message))
         except MemoryError:

@@ -35,6 +35,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    grammar: object | None = None  # a structured.Grammar the output must match, or None
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of n: one seed must still give n different choices,

@@ -10,11 +10,12 @@ import itertools
 import logging
 import threading
 import time
+from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cllm import _core
+from cllm import _core, structured
 from cllm.config import EngineConfig, SamplingParams, usable_cores
 from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
@@ -120,6 +121,8 @@ class Engine:
                                    n_slots=self.ctx.n_seq_max, shared_kv=self.kv_unified,
                                    prefix_cache=config.prefix_cache,
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1)
+        self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
+        self._masks = structured.MaskFiller(self.ctx.mask_words)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where a step dwarfs it.
@@ -250,8 +253,10 @@ class Engine:
             seq.finish_reason = "queue_full" if isinstance(exc, QueueFullError) else FINISH_ERROR
             outbox.add(stream, Delta("", [], finish_reason=seq.finish_reason, error=str(exc)))
             return
+        grammar = seq.sampling.grammar
         self._live[seq] = _Live(stream, TextStream(seq.sampling.stop),
-                                logprobs=[] if seq.sampling.logprobs is not None else None)
+                                logprobs=[] if seq.sampling.logprobs is not None else None,
+                                matcher=grammar.matcher() if grammar is not None else None)
 
     def _step(self) -> None:
         timer = self.timer
@@ -282,6 +287,7 @@ class Engine:
             timer.lap("decode")
             now = time.monotonic()
             got = self._account_step(out, rows, result, now) if result is not None else []
+            self._advance_matchers(out, got, now)
             self._run_ahead = True
         self._emit(out, got, now, outbox)
         self._free_released()  # before the clients hear that their sequences ended
@@ -292,12 +298,15 @@ class Engine:
 
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many decode steps to run in C at once: several only while nobody waits, every
-        chunk is a decode and no one asked for logprobs (each new request interrupts a run)."""
+        chunk is a decode, and no one asked for logprobs (each new request interrupts a run) or
+        is constrained (its next bitmask depends on the token the step samples)."""
         steps = self.decode_steps
         if steps <= 1 or not self._run_ahead or self._inbox or self.scheduler.waiting:
             return 1
         for chunk in out.chunks:
-            if chunk.length != 1 or not chunk.samples or chunk.seq.sampling.logprobs is not None:
+            p = chunk.seq.sampling
+            if (chunk.length != 1 or not chunk.samples or p.logprobs is not None
+                    or p.grammar is not None):
                 return 1
         return self.scheduler.room_for_run(len(out.chunks), steps)  # the pool holds every row's run
 
@@ -340,9 +349,10 @@ class Engine:
                 ban_eog=p.ignore_eos)
 
     def _decode(self, out: SchedulerOutput, rows: StepRows, outbox: _Outbox):
+        mask_rows, masks = self._step_masks(out)
         try:
             return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
-                                 rows.tokens, rows.top_logprobs)
+                                 rows.tokens, rows.top_logprobs, mask_rows, masks)
         except _core.KVCacheFullError:
             # Nothing was written: give the newest sequence's cells back and plan again.
             victim = self.scheduler.preempt_newest(time.monotonic())
@@ -369,7 +379,9 @@ class Engine:
             result = self._decode(single, rows, outbox)
             if result is not None:
                 now = time.monotonic()
-                self._emit(single, self._account_step(single, rows, result, now), now, outbox)
+                got = self._account_step(single, rows, result, now)
+                self._advance_matchers(single, got, now)
+                self._emit(single, got, now, outbox)
 
     def _rewind(self, out: SchedulerOutput) -> None:
         """Drop whatever a failed batch wrote (llama.cpp rolls back only its last micro-batch,
@@ -388,6 +400,37 @@ class Engine:
             # is not retried), where _decode pins a failure on the rows that cause it.
             log.warning("decode run failed for %d sequences: %s", len(out.chunks), exc)
         return None
+
+    def _step_masks(self, out: SchedulerOutput):
+        """(mask_rows, masks) for Context.step: the allowed tokens of each constrained row that
+        samples this step, into one buffer; (None, None) when no row is constrained."""
+        matchers = []
+        mask_rows = None
+        for r, chunk in enumerate(out.chunks):
+            matcher = self._live[chunk.seq].matcher
+            if matcher is not None and chunk.samples:
+                if mask_rows is None:
+                    mask_rows = array("i", [-1]) * len(out.chunks)
+                mask_rows[r] = len(matchers)
+                matchers.append(matcher)
+        if not matchers:
+            return None, None
+        return mask_rows, self._masks.fill(matchers)
+
+    def _advance_matchers(self, out: SchedulerOutput, got, now: float) -> None:
+        """Feed each constrained sequence's new token to its matcher; the sequence ends (stop)
+        when its grammar is complete, so the output always matches unless it ran out of
+        tokens."""
+        for i, _ in got:
+            seq = out.chunks[i].seq
+            matcher = self._live[seq].matcher
+            if matcher is None or seq.is_finished:  # an end token or max_tokens ended it
+                continue
+            if not matcher.consume_token(seq.output_token_ids[-1]):
+                self.scheduler.finish(seq, FINISH_ERROR, now,
+                                      f"the grammar refused a token: {matcher.get_error()}")
+            elif matcher.is_stopped():
+                self.scheduler.finish(seq, FINISH_STOP, now)
 
     def _fail(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
         log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)
@@ -492,6 +535,9 @@ class _Live:
     pending: list[int] = field(default_factory=list)  # token ids not yet delivered
     logprobs: list[TokenLogprob] | None = None
     sampler: object | None = None  # its parked sampler while it is preempted
+    # Its grammar's state (llguidance.LLMatcher), at the tokens generated so far; it lives here,
+    # not in the core, so preemption leaves it as it is.
+    matcher: object | None = None
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         taken, self.logprobs = self.logprobs, ([] if self.logprobs is not None else None)

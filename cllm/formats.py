@@ -10,6 +10,8 @@ from cllm import responses
 from cllm.api import APIError
 from cllm.engine import Delta, TokenLogprob
 from cllm.responses import Token
+from cllm.sequence import FINISH_STOP
+from cllm.tools import CallParser, split_reply
 
 
 @dataclass(slots=True)
@@ -148,7 +150,13 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    """`tool_calls`: replies are parsed for tool calls (the request offered tools)."""
     chat = True
+
+    def __init__(self, *args, tool_calls: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_calls = tool_calls
+        self._parsers: dict[int, CallParser] = {}  # streamed: each choice's
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not self.want_logprobs:
@@ -159,34 +167,53 @@ class ChatFormat(Format):
 
     def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
         out = []
+        chunk = lambda **kw: responses.chat_chunk(  # noqa: E731
+            self.request_id, self.model, self.created, index, **kw)
         ids = self.prompt_token_ids is not None
         if first:
-            out.append(responses.chat_chunk(self.request_id, self.model, self.created, index,
-                                            role=True, text="", finish_reason=None, logprobs=None))
+            out.append(chunk(role=True, text="", finish_reason=None, logprobs=None))
             if ids:  # vLLM: a chat's prompt ids at the top of its first chunk
                 out[-1]["prompt_token_ids"] = self.prompt_token_ids
-        if delta.text or delta.logprobs or (ids and delta.token_ids):
-            out.append(responses.chat_chunk(
-                self.request_id, self.model, self.created, index, role=False, text=delta.text,
-                finish_reason=None, logprobs=self._logprobs(delta.logprobs or [])))
+        text, calls, made_calls = delta.text, [], False
+        if self.tool_calls:
+            parser = self._parsers.setdefault(index, CallParser())
+            text, calls = parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                text += parser.close()
+            first_call, made_calls = len(parser.calls) - len(calls), bool(parser.calls)
+            calls = [{"index": first_call + k, **call} for k, call in enumerate(calls)]
+        if text or delta.logprobs or (ids and delta.token_ids):
+            out.append(chunk(role=False, text=text, finish_reason=None,
+                             logprobs=self._logprobs(delta.logprobs or [])))
             if ids:
                 out[-1]["choices"][0]["token_ids"] = delta.token_ids
+        if calls:
+            out.append(chunk(role=False, text=None, finish_reason=None, logprobs=None,
+                             tool_calls=calls))
         if delta.finish_reason is not None:
-            out.append(responses.chat_chunk(self.request_id, self.model, self.created, index,
-                                            role=False, text=None,
-                                            finish_reason=delta.finish_reason, logprobs=None))
+            out.append(chunk(role=False, text=None, logprobs=None,
+                             finish_reason=_reason(delta.finish_reason, made_calls)))
         return out
 
     def response(self, choices: list[Choice]) -> dict:
         body = responses.chat_response(
             self.request_id, self.model, self.created,
-            [responses.chat_choice(i, c.text, c.finish_reason, self._logprobs(c.logprobs))
-             for i, c in enumerate(choices)], usage(choices))
+            [self._choice(i, c) for i, c in enumerate(choices)], usage(choices))
         if self.prompt_token_ids is not None:
             body["prompt_token_ids"] = self.prompt_token_ids
             for out, choice in zip(body["choices"], choices):
                 out["token_ids"] = choice.token_ids
         return body
+
+    def _choice(self, index: int, choice: Choice) -> dict:
+        text, calls = split_reply(choice.text) if self.tool_calls else (choice.text, [])
+        return responses.chat_choice(index, text, _reason(choice.finish_reason, bool(calls)),
+                                     self._logprobs(choice.logprobs), calls)
+
+
+def _reason(finish_reason: str | None, made_calls: bool) -> str | None:
+    """A reply that called tools and ended by itself ends with "tool_calls", as OpenAI's."""
+    return "tool_calls" if made_calls and finish_reason == FINISH_STOP else finish_reason
 
 
 class GenerateFormat(Format):

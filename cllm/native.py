@@ -17,7 +17,8 @@ from cllm.config import SamplingParams
 from cllm.engine import Delta
 from cllm.formats import Choice, Format, matched_stop
 from cllm.sequence import FINISH_LENGTH
-from cllm.server import AppState, new_format, read_json, respond, tokenize_text
+from cllm.server import (AppState, constrained, new_format, read_json, respond,
+                         tokenize_text)
 
 # llama-server's sampling defaults (common_params_sampling), for fields a request leaves out.
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -31,6 +32,7 @@ class NativeCompletionRequest:
     sampling: SamplingParams
     cache_prompt: bool
     return_tokens: bool  # the generated token ids in each event
+    constraint: api.Constraint | None = None  # json_schema or grammar (GBNF), as llama-server
 
 
 def parse_completion(body: dict, *, max_tokens_limit: int) -> NativeCompletionRequest:
@@ -54,7 +56,8 @@ def parse_completion(body: dict, *, max_tokens_limit: int) -> NativeCompletionRe
         prompt=prompt, stream=api._field(body, "stream", "a boolean", False),
         sampling=api._sampling({**SAMPLING_DEFAULTS, **given}, n_predict, None),
         cache_prompt=api._cache_prompt(body),
-        return_tokens=api._field(body, "return_tokens", "a boolean", False))
+        return_tokens=api._field(body, "return_tokens", "a boolean", False),
+        constraint=api._constraint(body))
 
 
 def timings(prompt_n: int, predicted_n: int, seconds: dict[str, float]) -> dict:
@@ -147,13 +150,13 @@ async def completion(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.require_engine()
     req = parse_completion(body, max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
         engine, req.prompt, add_special=True)
-    fmt = new_format(NativeCompletionFormat, request, "cmpl", req.sampling, prompt=req.prompt,
-                     n_prompt=len(prompt), settings=req.sampling, is_eog=engine.model.is_eog,
+    fmt = new_format(NativeCompletionFormat, request, "cmpl", sampling, prompt=req.prompt,
+                     n_prompt=len(prompt), settings=sampling, is_eog=engine.model.is_eog,
                      detokenize=engine.model.detokenize, return_tokens=req.return_tokens)
-    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
-                         req.cache_prompt)
+    return await respond(request, fmt, prompt, sampling, 1, req.stream, False, req.cache_prompt)
 
 
 async def props(request: Request, state: AppState) -> Response:

@@ -37,6 +37,9 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> ResponsesRequest:
         raise APIError(400, "this server stores no responses: send the whole conversation in "
                        "input instead of previous_response_id", param="previous_response_id")
     api._refuse_unimplemented(body)
+    if body.get("tools"):
+        raise APIError(400, "tools are not supported on /v1/responses; use /v1/chat/completions",
+                       param="tools")
     text = body.get("text")
     if text is not None and text != {"format": {"type": "text"}}:
         raise APIError(400, "only text output is supported", param="text")

@@ -83,9 +83,15 @@ def chat_logprobs(entries: list[tuple[Token, float, list[tuple[Token, float]]]])
                         for token, lp, top in entries]}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """A reply; one that called tools has their `tool_calls`, and null content if it said
+    nothing besides."""
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def chat_response(request_id: str, model: str, created: int, choices: list[dict],
@@ -95,12 +101,16 @@ def chat_response(request_id: str, model: str, created: int, choices: list[dict]
 
 
 def chat_chunk(request_id: str, model: str, created: int, index: int, *, role: bool,
-               text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict:
+               text: str | None, finish_reason: str | None, logprobs: dict | None,
+               tool_calls: list[dict] | None = None) -> dict:
     """A streamed piece of choice `index`: the first carries the role, the last the
-    finish_reason with an empty delta."""
+    finish_reason with an empty delta. Each tool call comes whole, with its "index" among the
+    choice's calls."""
     delta: dict = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import threading
@@ -18,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cllm import api
-from cllm.api import APIError
+from cllm import api, tools
+from cllm.api import APIError, Constraint
 from cllm.chat_template import ChatTemplate, TemplateRenderer
 from cllm.config import SamplingParams, ServerConfig
 from cllm.embedder import Embeddings
@@ -30,6 +31,7 @@ from cllm.metrics import CONTENT_TYPE, Metrics
 from cllm.model_card import model_card, repo_id
 from cllm.responses import Token, anthropic_error, token_name
 from cllm.sequence import FINISH_ABORT
+from cllm.structured import GrammarError
 
 log = logging.getLogger("cllm.server")
 
@@ -143,9 +145,11 @@ async def tokenize_text(engine: Engine, text: str, *, add_special: bool) -> list
                                    parse_special=True)
 
 
-async def chat_prompt(state: AppState, engine: Engine, messages: list[dict]) -> list[int]:
-    """A conversation's prompt tokens, rendered by the model's chat template."""
-    text = await state.renderer.render(messages)
+async def chat_prompt(state: AppState, engine: Engine, messages: list[dict],
+                      tools: list[dict] | None = None) -> list[int]:
+    """A conversation's prompt tokens, rendered by the model's chat template (with the tools
+    offered to the model, if any)."""
+    text = await state.renderer.render(messages, tools)
     # Templates that write the BOS token themselves must not get a second one. The check is on
     # the BOS token's text ("<bos>"): its piece without special=True is empty.
     bos = state.renderer.template.bos_token if engine.model.adds_bos else None
@@ -235,6 +239,23 @@ def new_format(cls, request: Request, prefix: str, sampling: SamplingParams,
                state.token, sampling.logprobs is not None, **options)
 
 
+async def constrained(engine: Engine, sampling: SamplingParams,
+                      constraint: Constraint | None) -> SamplingParams:
+    """`sampling` with its constraint compiled (cached by its text; in a worker thread, since
+    a large schema takes a while). One that does not compile is a 400 naming its field, before
+    anything is queued."""
+    if constraint is None:
+        return sampling
+    compile_ = {"json_schema": engine.grammars.json_schema, "gbnf": engine.grammars.gbnf,
+                "lark": engine.grammars.lark}[constraint.kind]
+    try:
+        grammar = await asyncio.to_thread(compile_, constraint.value)
+    except GrammarError as exc:
+        raise APIError(400, f"{constraint.param}: {exc}", param=constraint.param,
+                       code="invalid_grammar") from None
+    return dataclasses.replace(sampling, grammar=grammar)
+
+
 def guarded(handler, error_body=APIError.body):
     """Route wrapper: APIError → its status and body; anything else → a logged 500."""
     async def route(request: Request) -> Response:
@@ -264,11 +285,12 @@ async def completions(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = api.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
         engine, req.prompt, add_special=True)
-    fmt = new_format(CompletionFormat, request, "cmpl", req.sampling,
+    fmt = new_format(CompletionFormat, request, "cmpl", sampling,
                      prompt_token_ids=prompt if req.return_token_ids else None)
-    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
+    return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
 
@@ -276,10 +298,17 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
-    prompt = await chat_prompt(state, engine, req.messages)
-    fmt = new_format(ChatFormat, request, "chatcmpl", req.sampling,
+    constraint = req.constraint
+    calls = req.tools is not None and req.tools.calls
+    if calls and (grammar := tools.call_grammar(req.tools)) is not None:
+        constraint = Constraint("lark", grammar, "tool_choice")  # the reply is forced calls
+    sampling = await constrained(engine, req.sampling, constraint)
+    messages, offered = tools.prompt_messages(req.messages, req.tools,
+                                              state.renderer.template.takes_tools)
+    prompt = await chat_prompt(state, engine, messages, offered)
+    fmt = new_format(ChatFormat, request, "chatcmpl", sampling, tool_calls=calls,
                      prompt_token_ids=prompt if req.return_token_ids else None)
-    return await respond(request, fmt, prompt, req.sampling, req.n, req.stream, req.include_usage,
+    return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)
 
 
@@ -287,10 +316,10 @@ async def generate(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.require_engine()
     req = api.parse_generate(body, max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = await tokenize_text(engine, req.prompt, add_special=True)
-    fmt = new_format(GenerateFormat, request, "gen", req.sampling)
-    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False,
-                         req.cache_prompt)
+    fmt = new_format(GenerateFormat, request, "gen", sampling)
+    return await respond(request, fmt, prompt, sampling, 1, req.stream, False, req.cache_prompt)
 
 
 async def models(request: Request, state: AppState) -> Response:

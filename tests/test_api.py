@@ -177,16 +177,83 @@ def test_completion_field_rejections(field, value):
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 
 
-@pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
-    ("response_format", "text"), ("tools", [TOOL]), ("tool_choice", "auto"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("logit_bias", {"50256": -100}),
-])
-def test_fields_that_would_change_the_output_are_refused_until_implemented(field, value):
+def test_fields_that_would_change_the_output_are_refused_until_implemented():
     for parse in (completion, chat):
-        err = rejects(lambda: parse(**{field: value}), field)
+        err = rejects(lambda: parse(logit_bias={"50256": -100}), "logit_bias")
         assert "not supported" in err.message
+
+
+# ---- structured output and tools ----
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("fields, kind, value", [
+    ({"response_format": {"type": "json_object"}}, "json_schema", {"type": "object"}),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "json_schema", SCHEMA),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     "json_schema", SCHEMA),
+    ({"json_schema": SCHEMA}, "json_schema", SCHEMA),
+    ({"grammar": 'root ::= "yes" | "no"'}, "gbnf", 'root ::= "yes" | "no"'),
+])
+def test_constraints_are_read_from_every_field_that_can_hold_one(fields, kind, value):
+    for parse in (completion, chat):
+        constraint = parse(**fields).constraint
+        assert (constraint.kind, constraint.value) == (kind, value)
+    assert parse_generate({"prompt": "x", **fields}, max_tokens_limit=10).constraint.value == value
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+     "response_format.json_schema.schema"),
+    ({"json_schema": "{}"}, "json_schema"),
+    ({"grammar": ""}, "grammar"),
+    ({"grammar": 'root ::= "a"', "json_schema": SCHEMA}, "grammar"),
+])
+def test_malformed_constraints_are_400s_naming_the_field(fields, param):
+    rejects(lambda: chat(**fields), param)
+
+
+def test_tools_and_tool_choice_are_parsed():
+    tools = [TOOL, {"type": "function", "function": {"name": "g", "description": "d"}}]
+    spec = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}},
+                parallel_tool_calls=False).tools
+    assert [t.name for t in spec.tools] == ["f", "g"] and spec.tools[1].description == "d"
+    assert (spec.choice, spec.name, spec.parallel) == ("function", "g", False)
+    assert spec.tools[1].parameters == {"type": "object", "properties": {}}
+    assert chat(tools=tools).tools.choice == "auto"
+    assert chat(tools=tools, tool_choice="required").tools.choice == "required"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": TOOL}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+    ({"tools": [TOOL, TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "h"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "required", "json_schema": SCHEMA}, "tool_choice"),
+])
+def test_malformed_tools_are_400s_naming_the_field(fields, param):
+    rejects(lambda: chat(**fields), param)
+
+
+def test_tool_calls_and_results_in_the_history_are_kept():
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    parsed = parse_chat({"messages": messages}, **LIMITS).messages
+    assert parsed[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert parsed[2] == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    bad = [*messages[:1], {"role": "assistant", "content": None, "tool_calls": [{"id": 1}]}]
+    rejects(lambda: parse_chat({"messages": bad}, **LIMITS), "messages")
 
 
 @pytest.mark.parametrize("field, value", [
@@ -286,7 +353,7 @@ def test_chat_messages_are_normalized():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "tool", "content": "42", "tool_call_id": "x"},
         {"role": "user", "content": ""},
     ]
 

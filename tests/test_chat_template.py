@@ -164,3 +164,14 @@ def test_render_past_the_memory_limit_is_a_400_and_the_next_render_works():
     source = "{% if messages[0].content == 'big' %}{{ 'x' * 10**11 }}{% endif %}ok"
     refused, ok = render_all(source, ["big", "Hi"])
     assert refused.startswith("chat template error: rendering needs over") and ok == "ok"
+
+
+def test_a_template_that_reads_tools_says_so_and_gets_them():
+    source = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% endif %}"
+              "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    template = ChatTemplate(source, bos_token="", eos_token="")
+    assert template.takes_tools
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert template.render(USER_HI, tools) == "[f]Hi"
+    assert template.render(USER_HI) == "Hi"
+    assert not ChatTemplate(SMOLLM2, bos_token="", eos_token="").takes_tools

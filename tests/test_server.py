@@ -438,9 +438,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
                              b'"stream": true, "temperature": 1000}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
-                             b'"response_format": {"type": "json_object"}}'),
+                             b'"response_format": {"type": "json_ob"}}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
-                             b'"tools": [{"type": "function", "function": {"name": "f"}}]}'),
+                             b'"tools": [{"type": "function", "function": {"name": "f f"}}]}'),
     ("/v1/completions", b'{"prompt": "Hi", "logit_bias": {"1": 100}}'),
     ("/tokenize", b'{"content": 5}'),
     ("/tokenize", b"{}"),

@@ -6,7 +6,7 @@ import asyncio
 import os
 import sys
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -14,7 +14,7 @@ import httpx
 
 from cllm.models import DEFAULT_ALIAS, resolve_model
 
-from . import report
+from . import prompts, report
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget
 from .loadgen import HttpTarget, Level, Sender, first_model, run_level
@@ -102,6 +102,8 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
             if t.url:
                 t.model = t.model or await first_model(client, t.url)
                 t.send = HttpTarget(t.url, t.model, load, client).send
+        if args.workload == "structured":
+            targets = _with_schema(targets, load, client)
         levels = [(level, repeat) for level in args.levels for repeat in range(args.runs)]
         for i, ((level, repeat), plan) in enumerate(zip(levels, plans(args))):
             # The order of servers flips from run to run so neither always runs first.
@@ -110,6 +112,18 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
                 run["repeat"] = repeat
                 data["runs"].append(run)
                 _print_run(run)
+
+
+def _with_schema(targets: list[Target], load, client: httpx.AsyncClient) -> list[Target]:
+    """Each HTTP server twice: free, and constrained by the ticket schema ("<name>+schema")."""
+    constrained = replace(load, json_schema=prompts.TICKET_SCHEMA)
+    out = []
+    for t in targets:
+        out.append(t)
+        if t.url:
+            out.append(Target(f"{t.name}+schema", url=t.url, model=t.model,
+                              send=HttpTarget(t.url, t.model, constrained, client).send))
+    return out
 
 
 async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,

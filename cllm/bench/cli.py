@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "conversations, each turn resending the history; mixed: prompts "
                            f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform; "
                            "sharegpt: prompt and output lengths shaped like ShareGPT's chats, "
-                           "or from --dataset-path (default standard)")
+                           "or from --dataset-path; structured: tickets to triage, each server "
+                           "measured free and with a JSON schema (default standard)")
     load.add_argument("--dataset-path", type=Path,
                       help="sharegpt: a ShareGPT-style JSON file to take prompts and output "
                            "lengths from")
@@ -144,7 +145,8 @@ def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     """Rejects options the workload would ignore; resolves the endpoint it needs."""
     if args.dataset_path and args.workload != "sharegpt":
         parser.error("--dataset-path is for --workload sharegpt")
-    if args.workload != "standard" and (args.prompt_tokens or args.prompt_file):
+    if args.workload not in ("standard", "structured") and (args.prompt_tokens
+                                                             or args.prompt_file):
         parser.error(f"--prompt-tokens and --prompt-file are for the standard workload; "
                      f"{args.workload} makes its own prompts")
     if args.workload == "multi-turn":
@@ -152,6 +154,12 @@ def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error("multi-turn sends message histories: it needs --endpoint chat")
         if args.engine_direct:
             parser.error("multi-turn needs a chat template: --engine-direct has none")
+        args.endpoint = "chat"
+    if args.workload == "structured":
+        if args.endpoint == "completions":
+            parser.error("structured sends response_format: it needs --endpoint chat")
+        if args.engine_direct:
+            parser.error("structured needs a chat template: --engine-direct has none")
         args.endpoint = "chat"
     args.endpoint = args.endpoint or "completions"
 

@@ -58,6 +58,8 @@ class LoadSettings:
     ignore_eos: bool = True
     timeout: float = 600.0
     cache_prompt: bool | None = None  # None: the field is not sent, each server's default holds
+    # A JSON Schema sent as response_format: the reply ends when its JSON does (no ignore_eos).
+    json_schema: dict | None = None
 
 
 @dataclass(slots=True)
@@ -197,7 +199,10 @@ class HttpTarget:
                                 else [{"role": "user", "content": prompt}])
         else:
             body["prompt"] = prompt
-        if self.load.ignore_eos:
+        if self.load.json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "reply", "schema": self.load.json_schema}}
+        elif self.load.ignore_eos:
             body["ignore_eos"] = True
         if self.load.stream:
             body["stream_options"] = {"include_usage": True}

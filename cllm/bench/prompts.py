@@ -44,6 +44,32 @@ _WORDS = ("the time people year way day man thing woman life child world school 
           "service friend father power hour game line end member law car city community name").split()
 
 
+# The structured workload's schema: a support ticket triaged into fields, as an application
+# would ask for it (enums, bounded integers, bounded strings, an array of objects).
+TICKET_SCHEMA: dict = {
+    "type": "object",
+    "properties": {
+        "category": {"enum": ["billing", "technical", "account", "shipping", "other"]},
+        "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+        "summary": {"type": "string", "maxLength": 80},
+        "sentiment": {"enum": ["negative", "neutral", "positive"]},
+        "actions": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object",
+            "properties": {"step": {"type": "string", "maxLength": 40},
+                           "owner": {"enum": ["support", "engineering", "customer"]}},
+            "required": ["step", "owner"], "additionalProperties": False}},
+        "needs_reply": {"type": "boolean"},
+    },
+    "required": ["category", "priority", "summary", "sentiment", "actions", "needs_reply"],
+    "additionalProperties": False,
+}
+
+
+def ticket(prompt: str) -> str:
+    """A structured-workload request: one of the default prompts as a customer's message."""
+    return f"Triage this customer message as a support ticket, in JSON.\n\nMessage: {prompt}"
+
+
 def from_file(path: Path) -> list[str]:
     """One prompt per non-empty line."""
     prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]

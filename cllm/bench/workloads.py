@@ -6,7 +6,9 @@ mixed: prompt lengths log-uniform from 16 to 4,000 tokens, all different.
 sharegpt: prompt and output lengths shaped like ShareGPT's chats (or taken from a ShareGPT-style
 file), each request with its own max_tokens.
 multi-turn: conversations over the chat endpoint; each turn resends the whole history, with the
-server's own replies, so a server that reuses its cache answers later turns sooner."""
+server's own replies, so a server that reuses its cache answers later turns sooner.
+structured: the default prompts as support tickets to triage over the chat endpoint; each server
+is measured free (ignore_eos) and constrained by prompts.TICKET_SCHEMA (response_format)."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +23,7 @@ from .loadgen import (Level, Prompt, RequestResult, Sender, Sized, run_jobs, run
                       run_open_loop)
 from .stats import by_turn
 
-WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed", "sharegpt")
+WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed", "sharegpt", "structured")
 MIXED_TOKENS = (16, 4000)
 SKIPPED = "not sent: an earlier turn of its conversation failed"
 
@@ -79,7 +81,7 @@ def plans(args: argparse.Namespace) -> Iterator[LevelPlan]:
     own prompts (seeded by its position), so none starts with what an earlier one left in a
     cache."""
     levels = [level for level in args.levels for _ in range(args.runs)]
-    if args.workload == "standard":
+    if args.workload in ("standard", "structured"):
         yield from _standard(args, len(levels))
         return
     for index, level in enumerate(levels):
@@ -116,6 +118,8 @@ def _standard(args: argparse.Namespace, n_plans: int) -> Iterator[LevelPlan]:
         texts = prompt_sets.from_file(args.prompt_file)
     else:
         texts = list(prompt_sets.DEFAULT_PROMPTS)
+    if args.workload == "structured":
+        texts = [prompt_sets.ticket(t) for t in texts]
     for index in range(n_plans):
         # A synthetic set has every prompt different; a short list cycles on from level to level.
         yield _split(prompt_sets.for_requests(texts, n_prompts, offset=index * n_prompts),

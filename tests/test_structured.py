@@ -1,0 +1,464 @@
+"""Structured output end to end with the real model: grammars compiled by cllm/structured.py,
+bitmasks applied in the core, the engine's matchers, and the HTTP API (response_format,
+json_schema, grammar, tools) through raw HTTP and the openai SDK."""
+import asyncio
+import json
+import math
+import re
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from cllm import _core
+from cllm.config import EngineConfig, SamplingParams
+from cllm.engine import Engine
+from cllm.structured import GrammarError
+from http_checks import assert_error, metrics, post_stream, sse_payloads
+from server_process import ServerProcess
+from test_engine import ON_GPU_NOT_BATCH_INVARIANT, FaultyContext, assert_idle, run_tokens
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "schemas.json").read_text())
+MAX_TOKENS = 96  # every test schema's longest output is well below this
+YES_NO = 'root ::= "The answer is " ("yes" | "no") "."'
+LIST = 'root ::= item (", " item){0,3}\nitem ::= [a-z]{1,6}'
+LIST_RE = re.compile(r"[a-z]{1,6}(, [a-z]{1,6}){0,3}")
+
+
+def chat_prompt(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def ask_for(item: dict) -> str:
+    return f"Give an example of {item['name'].replace('_', ' ')} as JSON."
+
+
+def validates(text: str, schema: dict) -> bool:
+    jsonschema.validate(json.loads(text), schema)  # raises, showing what is wrong
+    return True
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    eng = Engine(EngineConfig(n_ctx=16 * 512, n_parallel=16, n_threads=2, kv_unified=False),
+                 model_path)
+    yield eng
+    eng.shutdown()
+
+
+def constrained(engine, **sampling):
+    grammar = sampling.pop("schema", None)
+    gbnf = sampling.pop("gbnf", None)
+    compiled = engine.grammars.json_schema(grammar) if grammar is not None else (
+        engine.grammars.gbnf(gbnf))
+    return dict(sampling, grammar=compiled)
+
+
+# ---- compiling ----
+
+def test_grammars_are_cached_by_their_text(engine):
+    first = engine.grammars.json_schema(SCHEMAS[0]["schema"])
+    assert engine.grammars.json_schema(json.loads(json.dumps(SCHEMAS[0]["schema"]))) is first
+    assert engine.grammars.gbnf(YES_NO) is engine.grammars.gbnf(YES_NO)
+    assert engine.grammars.json_schema(SCHEMAS[1]["schema"]) is not first
+
+
+@pytest.mark.parametrize("compile_, source, problem", [
+    ("json_schema", {"type": "foo"}, "foo"),
+    ("json_schema", {"type": "string", "pattern": "(("}, "unclosed group"),
+    ("json_schema", {"$ref": "#/$defs/missing"}, "missing"),
+    ("gbnf", "root ::= missing", "missing"),
+    ("gbnf", "root ::= [a-z", "end of input"),
+])
+def test_a_bad_schema_or_grammar_is_an_error_naming_the_problem(engine, compile_, source, problem):
+    with pytest.raises(GrammarError, match=re.escape(problem)):
+        getattr(engine.grammars, compile_)(source)
+
+
+def test_the_vocabulary_comes_from_the_gguf(engine):
+    tokenizer = engine.grammars.tokenizer
+    model = engine.model
+    assert tokenizer.vocab_size == model.n_vocab
+    assert set(tokenizer.eos_tokens) == set(model.eog_tokens)
+    text = 'A "quoted" word, {and} braces.'
+    assert tokenizer.decode_bytes(model.tokenize(text, add_special=False)) == text.encode()
+    assert tokenizer.is_special_token(model.eos_token)  # <|im_end|> is never spelled by text
+
+
+# ---- the engine: outputs match, whatever runs beside them ----
+
+def test_every_schema_validates_greedy_and_sampled(engine):
+    async def scenario():
+        jobs = []
+        for item in SCHEMAS:
+            tokens = engine.model.tokenize(chat_prompt(ask_for(item)))
+            for sampling in (dict(temperature=0), dict(temperature=0.8, seed=7)):
+                jobs.append(run_tokens(engine, tokens, **constrained(
+                    engine, schema=item["schema"], max_tokens=MAX_TOKENS, **sampling)))
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(scenario())
+    for i, (text, _, final) in enumerate(results):
+        item = SCHEMAS[i // 2]
+        assert final.finish_reason == "stop", (item["name"], text)
+        assert validates(text, item["schema"])
+    assert_idle(engine)
+
+
+def test_a_gbnf_output_matches_its_grammar(engine):
+    async def scenario():
+        prompts = ["Is the sky blue?", "Name some fruits.", "List colors.", "Is 2 odd?"]
+        return await asyncio.gather(*(
+            run_tokens(engine, engine.model.tokenize(chat_prompt(p)),
+                       **constrained(engine, gbnf=grammar, max_tokens=40, temperature=t, seed=3))
+            for p in prompts for grammar in (YES_NO, LIST) for t in (0, 1.0)))
+
+    results = asyncio.run(scenario())
+    for i, (text, _, final) in enumerate(results):
+        assert final.finish_reason == "stop"
+        if (i // 2) % 2 == 0:
+            assert text in ("The answer is yes.", "The answer is no.")
+        else:
+            assert LIST_RE.fullmatch(text), text
+
+
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_unconstrained_rows_beside_constrained_ones_are_unchanged(engine):
+    prompts = [chat_prompt(q) for q in ("Tell me about the sea.", "What is a cat?",
+                                        "Describe a forest.")]
+
+    async def unconstrained():
+        return await asyncio.gather(*(run_tokens(engine, engine.model.tokenize(p), max_tokens=24,
+                                                 temperature=0) for p in prompts))
+
+    async def mixed():
+        constrained_jobs = [run_tokens(engine, engine.model.tokenize(chat_prompt(ask_for(item))),
+                                       **constrained(engine, schema=item["schema"],
+                                                     max_tokens=MAX_TOKENS, temperature=0))
+                            for item in SCHEMAS[:6]]
+        results = await asyncio.gather(unconstrained(), *constrained_jobs)
+        return results[0], results[1:]
+
+    alone = asyncio.run(unconstrained())
+    beside, constrained_results = asyncio.run(mixed())
+    assert [ids for _, ids, _ in beside] == [ids for _, ids, _ in alone]
+    for item, (text, _, _) in zip(SCHEMAS[:6], constrained_results):
+        assert validates(text, item["schema"])
+
+
+def test_logprobs_report_the_constrained_distribution(engine):
+    tokens = engine.model.tokenize(chat_prompt("Is the sky blue?"))
+    sampling = constrained(engine, gbnf='root ::= "yes" | "no"', max_tokens=4, temperature=0,
+                           logprobs=5)
+
+    async def request():
+        text, logprobs = "", []
+        async for delta in engine.submit(tokens, SamplingParams(**sampling)):
+            text, logprobs = text + delta.text, logprobs + (delta.logprobs or [])
+        return text, logprobs
+
+    text, logprobs = asyncio.run(request())
+    assert text in ("yes", "no")
+    first = logprobs[0]
+    pieces = [engine.model.token_to_piece(t).decode() for t, _ in first.top]
+    assert all("yes".startswith(p) or "no".startswith(p) for p in pieces), pieces
+    # Every allowed token is among the top 5 here, so their probabilities make up the whole.
+    assert sum(math.exp(lp) for _, lp in first.top) == pytest.approx(1.0, abs=1e-3)
+    assert first.logprob == max(lp for _, lp in first.top)  # greedy took the likeliest
+
+
+def test_a_preempted_constrained_request_resumes_where_it_was(model_path, engine):
+    item = SCHEMAS[6]  # nested_address
+    tokens = engine.model.tokenize(chat_prompt(ask_for(item)))
+    sampling = constrained(engine, schema=item["schema"], max_tokens=MAX_TOKENS,
+                           temperature=0.8, seed=11)
+    alone = asyncio.run(run_tokens(engine, tokens, **sampling))
+    eng = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=False),
+                 model_path)
+    try:
+        eng.ctx = FaultyContext(eng.ctx, _core.KVCacheFullError(1, "injected"), after=10)
+        preempted = asyncio.run(run_tokens(eng, tokens, **dict(
+            sampling, grammar=eng.grammars.json_schema(item["schema"]))))
+        assert eng.scheduler.num_preemptions == 1
+        assert preempted[1] == alone[1] and validates(preempted[0], item["schema"])
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_decode_runs_stop_at_constrained_rows(model_path, engine):
+    """With several decode steps per call, a step holding a constrained row runs one token."""
+    prompts = [chat_prompt("Tell me about the sea."), chat_prompt("What is a cat?")]
+    runs = Engine(EngineConfig(n_ctx=8 * 512, n_parallel=8, n_threads=2, kv_unified=False,
+                               decode_steps=8), model_path)
+    try:
+        async def scenario():
+            free = [run_tokens(runs, runs.model.tokenize(p), max_tokens=32, temperature=0)
+                    for p in prompts]
+            bound = [run_tokens(runs, runs.model.tokenize(chat_prompt(ask_for(item))),
+                                **constrained(runs, schema=item["schema"], temperature=0,
+                                              max_tokens=MAX_TOKENS))
+                     for item in SCHEMAS[:4]]
+            return await asyncio.gather(*free, *bound)
+
+        async def one_step_at_a_time():
+            return await asyncio.gather(*(run_tokens(engine, engine.model.tokenize(p),
+                                                     max_tokens=32, temperature=0)
+                                          for p in prompts))
+
+        results = asyncio.run(scenario())
+        alone = asyncio.run(one_step_at_a_time())
+        assert [r[1] for r in results[:2]] == [r[1] for r in alone]
+        for item, (text, _, _) in zip(SCHEMAS[:4], results[2:]):
+            assert validates(text, item["schema"])
+    finally:
+        runs.shutdown()
+
+
+# ---- HTTP: response_format, json_schema, grammar ----
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--parallel", "16", "--threads", "2") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=300) as c:
+        yield c
+
+
+def _texts(path: str, response: dict) -> list[str]:
+    if path == "/v1/completions":
+        return [c["text"] for c in response["choices"]]
+    return [c["message"]["content"] for c in response["choices"]]
+
+
+def _streamed_texts(payloads: list[dict], n: int) -> list[str]:
+    texts = [""] * n
+    for p in payloads:
+        for c in p["choices"]:
+            texts[c["index"]] += c.get("text") or c.get("delta", {}).get("content") or ""
+    return texts
+
+
+async def _post(http_async: httpx.AsyncClient, path: str, body: dict) -> tuple[list[str], list]:
+    """(texts, finish reasons) of a request, streamed or not."""
+    if body.get("stream"):
+        async with http_async.stream("POST", path, json=body) as r:
+            raw = await r.aread()
+        assert r.status_code == 200, raw
+        payloads = sse_payloads(raw)
+        reasons = [c["finish_reason"] for p in payloads for c in p["choices"]
+                   if c["finish_reason"]]
+        return _streamed_texts(payloads, body.get("n", 1)), reasons
+    r = await http_async.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return _texts(path, r.json()), [c["finish_reason"] for c in r.json()["choices"]]
+
+
+def _schema_request(i: int, item: dict) -> tuple[str, dict]:
+    """Schema i asked one of four ways, in turn: greedy and sampled, streamed and not, n=2, on
+    both OpenAI routes (the engine test above asks every schema greedy and sampled)."""
+    schema = item["schema"]
+    fmt = {"type": "json_schema", "json_schema": {"name": item["name"], "schema": schema}}
+    chat = {"messages": [{"role": "user", "content": ask_for(item)}],
+            "response_format": fmt, "max_tokens": MAX_TOKENS}
+    completion = {"prompt": chat_prompt(ask_for(item)), "max_tokens": MAX_TOKENS}
+    return [("/v1/chat/completions", dict(chat, temperature=0)),
+            ("/v1/chat/completions", dict(chat, temperature=0.9, seed=5, n=2, stream=True)),
+            ("/v1/completions", dict(completion, response_format=fmt, temperature=0.9, seed=9,
+                                     n=2)),
+            ("/v1/completions", dict(completion, json_schema=schema, temperature=0,
+                                     stream=True))][i % 4]
+
+
+def test_every_schema_validates_over_http(server):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as h:
+            jobs = [(item, _post(h, *_schema_request(i, item))) for i, item in enumerate(SCHEMAS)]
+            results = await asyncio.gather(*(job for _, job in jobs))
+            return [(item, result) for (item, _), result in zip(jobs, results)]
+
+    outputs = 0
+    for item, (texts, reasons) in asyncio.run(scenario()):
+        assert reasons == ["stop"] * len(texts), (item["name"], texts)
+        for text in texts:
+            assert validates(text, item["schema"])
+            outputs += 1
+    assert outputs == 30
+
+
+def test_json_mode_always_parses(server):
+    questions = ["Describe a cat.", "List three fruits.", "Who are you?", "What is 2+2?"]
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as h:
+            return await asyncio.gather(*(_post(h, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": q}], "max_tokens": 200, "n": 2,
+                "temperature": 0.7, "seed": 1, "response_format": {"type": "json_object"}})
+                for q in questions))
+
+    for texts, reasons in asyncio.run(scenario()):
+        for text, reason in zip(texts, reasons):
+            assert reason == "stop", text
+            assert isinstance(json.loads(text), dict)
+
+
+def test_gbnf_on_every_route(http):
+    for path, body in [("/v1/completions", {"prompt": chat_prompt("Is water wet?")}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Is water wet?"}]}),
+                       ("/generate", {"prompt": chat_prompt("Is water wet?")})]:
+        r = http.post(path, json=dict(body, grammar=YES_NO, max_tokens=20, temperature=0))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        text = body["data"]["text"] if path == "/generate" else _texts(path, body)[0]
+        assert text in ("The answer is yes.", "The answer is no.")
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}},
+     "foo"),
+    ("json_schema", {"type": "string", "pattern": "(("}, "unclosed group"),
+    ("grammar", "root ::= missing", "missing"),
+])
+def test_a_bad_schema_is_a_400_naming_it_and_nothing_is_queued(http, field, value, problem):
+    before = metrics(http)
+    r = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], field: value})
+    error = assert_error(r, 400, type_="invalid_request_error", code="invalid_grammar")
+    assert error["param"] == field and problem in error["message"]
+    after = metrics(http)
+    assert after["cllm_prompt_tokens_total"] == before["cllm_prompt_tokens_total"]
+    assert after["cllm_requests_running"] == after["cllm_requests_waiting"] == 0
+
+
+# ---- tools through the openai SDK ----
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+                   "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
+
+
+def _arguments(call, tool: dict) -> dict:
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+def test_a_named_tool_choice_always_calls_that_tool(client):
+    r = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_time" and _arguments(call, TIME)
+
+
+def test_required_calls_are_valid_calls_of_offered_tools(client):
+    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME],
+                                       tool_choice="required", temperature=0.8, seed=2, n=2,
+                                       parallel_tool_calls=False, max_tokens=100)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        tools = {"get_weather": WEATHER, "get_time": TIME}
+        for call in choice.message.tool_calls:
+            assert _arguments(call, tools[call.function.name]) is not None
+        assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+
+def test_parallel_calls_come_with_their_own_ids(client):
+    """A reply of two forced calls (the grammar allows one or more; the prompt asks for two)."""
+    messages = [{"role": "system", "content": "Always call get_weather once for each city."},
+                {"role": "user", "content": "Weather in Paris and in Rome?"}]
+    r = client.chat.completions.create(
+        model="m", messages=messages, tools=[WEATHER], temperature=0, max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"] * len(calls)
+    assert len(calls) >= 2, calls  # observed with SmolLM2 greedy: Paris, then Rome
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
+    assert len({c.id for c in calls}) == len(calls)
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client):
+    request = dict(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                   parallel_tool_calls=False, temperature=0, max_tokens=100)
+    whole = client.chat.completions.create(**request).choices[0]
+    assembled: dict[int, dict] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for choice in chunk.choices:
+            reasons += [choice.finish_reason] if choice.finish_reason else []
+            for d in choice.delta.tool_calls or []:
+                call = assembled.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += d.id or ""
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    assert reasons == ["tool_calls"]
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(assembled.items())] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in assembled.values())
+
+
+def _earlier_call(i: int, city: str) -> list[dict]:
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    return [{"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+
+def test_auto_calls_when_the_history_shows_how_and_answers_when_not_asked(client):
+    """With `auto` the model decides. SmolLM2-135M (greedy) does not call on a bare request, but
+    does after two earlier calls in the history; asked to say hello, it answers in text."""
+    history = _earlier_call(1, "London") + _earlier_call(2, "Rome")
+    calls = client.chat.completions.create(
+        model="m", tools=[WEATHER], temperature=0, max_tokens=60,
+        messages=history + [{"role": "user", "content": "Weather in Paris?"}])
+    (choice,) = calls.choices
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"  # unconstrained: as it wrote
+    plain = client.chat.completions.create(
+        model="m", tools=[WEATHER], temperature=0, max_tokens=40,
+        messages=[{"role": "user", "content": "Say hello to me."}])
+    (choice,) = plain.choices
+    assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
+    assert choice.message.content and "<tool_call>" not in choice.message.content
+
+
+def test_a_tool_result_in_the_history_round_trips(client):
+    first = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False).choices[0].message
+    history = ASK + [first.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": first.tool_calls[0].id,
+                      "content": '{"temperature": 21, "sky": "clear"}'}]
+    reply = client.chat.completions.create(model="m", messages=history, tools=[WEATHER],
+                                           tool_choice="none", temperature=0, max_tokens=16)
+    (choice,) = reply.choices
+    assert choice.message.content and not choice.message.tool_calls
+    assert reply.usage.prompt_tokens > 0
