@@ -3,7 +3,6 @@ its error shape. Clients written for Claude (the `anthropic` SDK, tools built on
 unchanged against the local model."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -13,7 +12,7 @@ from cllm import api
 from cllm.api import APIError
 from cllm.config import SamplingParams
 from cllm.engine import Delta
-from cllm.formats import Choice, Format, matched_stop
+from cllm.formats import Choice, TypedEventsFormat, matched_stop
 from cllm.responses import anthropic_error
 from cllm.sequence import FINISH_LENGTH
 from cllm.server import AppState, chat_prompt, new_format, read_json, respond
@@ -61,7 +60,7 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
     return MessagesRequest(messages, api._field(body, "stream", "a boolean", False), sampling)
 
 
-class MessagesFormat(Format):
+class MessagesFormat(TypedEventsFormat):
     """A message, or the events that build one: message_start, one text block (start, deltas,
     stop), message_delta with the stop reason and the output tokens, message_stop."""
 
@@ -74,16 +73,6 @@ class MessagesFormat(Format):
         self.is_eog = is_eog
         self.detokenize = detokenize
         self._streamed = Choice()
-
-    def event(self, payload: dict) -> bytes:
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {payload['type']}\ndata: {data}\n\n".encode()
-
-    def done_event(self) -> bytes | None:
-        return None
-
-    def usage_chunk(self, usage_: dict) -> dict | None:
-        return None
 
     def error_body(self, error: APIError) -> dict:
         return anthropic_error(error)

@@ -3,6 +3,7 @@ original /generate here; the other APIs' formats live beside their routes."""
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -103,6 +104,21 @@ class Format:
 
     def response(self, choices: list[Choice]) -> dict:
         raise NotImplementedError
+
+
+class TypedEventsFormat(Format):
+    """A stream of typed events (Anthropic's Messages, OpenAI's Responses): each SSE event
+    names its payload's type, nothing follows the last one, and usage rides in the events."""
+
+    def event(self, payload: dict) -> bytes:
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        return f"event: {payload['type']}\ndata: {data}\n\n".encode()
+
+    def done_event(self) -> bytes | None:
+        return None
+
+    def usage_chunk(self, usage_: dict) -> dict | None:
+        return None
 
 
 class CompletionFormat(Format):

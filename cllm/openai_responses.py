@@ -5,7 +5,6 @@ Stateless means nothing is stored: `previous_response_id` is refused, and a conv
 sent whole in `input`."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -15,7 +14,7 @@ from cllm import api
 from cllm.api import APIError
 from cllm.config import SamplingParams
 from cllm.engine import Delta
-from cllm.formats import Choice, Format
+from cllm.formats import Choice, TypedEventsFormat
 from cllm.sequence import FINISH_LENGTH
 from cllm.server import AppState, chat_prompt, new_format, read_json, respond
 
@@ -74,7 +73,7 @@ def _input(value: object) -> list[dict]:
         raise APIError(400, e.message.replace("messages", "input"), param="input") from None
 
 
-class ResponsesFormat(Format):
+class ResponsesFormat(TypedEventsFormat):
     """A response object, or the events that build one: created, in_progress, the message's
     item and text part added, text deltas, their done events, then completed (or incomplete,
     when max_output_tokens cut it short)."""
@@ -89,16 +88,6 @@ class ResponsesFormat(Format):
         self.message_id = "msg_" + self.request_id.partition("_")[2]
         self._sequence = 0
         self._streamed = Choice()
-
-    def event(self, payload: dict) -> bytes:
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {payload['type']}\ndata: {data}\n\n".encode()
-
-    def done_event(self) -> bytes | None:
-        return None
-
-    def usage_chunk(self, usage_: dict) -> dict | None:
-        return None
 
     def error_body(self, error: APIError) -> dict:
         return self._event("error", code=error.code, message=error.message, param=error.param)

@@ -1,4 +1,6 @@
-"""Shared fixtures: the real models, fetched once into the user cache."""
+"""Shared fixtures: the real models, fetched once into the user cache, and HTTP clients."""
+import httpx
+import openai
 import pytest
 
 from cllm.models import resolve_model
@@ -30,3 +32,17 @@ def pytest_addoption(parser):
                     help="run the stress test in soak mode (--soak-requests requests)")
     group.addoption("--soak-requests", type=int, default=10000,
                     help="requests in soak mode [10000]")
+
+
+# Clients of the module's own `server` fixture (a ServerProcess), for the modules that start one.
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c

@@ -24,19 +24,6 @@ def server():
         yield srv
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
-
-
 def tokens_of(http: httpx.Client, text: str) -> list[int]:
     return http.post("/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
 

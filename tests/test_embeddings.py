@@ -57,13 +57,6 @@ def server():
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
-
-
 def cosine(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b)) / math.sqrt(
         sum(x * x for x in a) * sum(y * y for y in b))

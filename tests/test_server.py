@@ -44,19 +44,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def limits():
     """A small context (256 cells, all for one sequence) and a small body limit."""
     with ServerProcess("--ctx-size", "256", "--parallel", "1", "--max-body-bytes", "4096") as srv:

@@ -16,7 +16,7 @@ from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
 from cllm.structured import GrammarError
-from http_checks import assert_error, metrics, post_stream, sse_payloads
+from http_checks import assert_error, metrics, sse_payloads
 from server_process import ServerProcess
 from test_engine import ON_GPU_NOT_BATCH_INVARIANT, FaultyContext, assert_idle, run_tokens
 
