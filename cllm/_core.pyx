@@ -4,6 +4,8 @@ batch step that decodes and samples every sequence with the GIL released."""
 import os
 from array import array
 
+from cllm.config import usable_cores
+
 from cpython cimport array as carray
 from cython.parallel cimport prange
 from libc.math cimport expf, logf, sqrt, INFINITY
@@ -232,6 +234,22 @@ cdef carray.array _FLOAT_ARRAY = array("f")
 cdef int _ROWS_PER_THREAD = 4
 
 
+cdef llama_context * _new_context(Model model, llama_context_params params, int n_threads,
+                                  str what) except NULL:
+    """A llama.cpp context over `model` with `params`, `n_threads` (0: every core this process
+    may use) for prompts and decodes alike and no perf counters; RuntimeError naming `what`
+    when llama.cpp cannot make it."""
+    params.n_threads = n_threads if n_threads > 0 else usable_cores()
+    params.n_threads_batch = params.n_threads
+    params.no_perf = True
+    cdef llama_context * ctx
+    with nogil:
+        ctx = llama_init_from_model(model.model, params)
+    if ctx is NULL:
+        raise RuntimeError(f"llama.cpp could not create {what}")
+    return ctx
+
+
 cdef class Context:
     """One llama_context for up to `n_seq_max` sequences, one sampler chain per sequence, and
     `step()`, which decodes one batch and samples every row that asks for a token.
@@ -271,17 +289,11 @@ cdef class Context:
         params.n_seq_max = n_seq_max
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch, n_batch)
-        params.n_threads = n_threads if n_threads > 0 else (os.cpu_count() or 1)
-        params.n_threads_batch = params.n_threads
         params.flash_attn_type = _FLASH_ATTN[flash_attn]
         params.kv_unified = kv_unified
-        params.no_perf = True
         self.model = model
-        with nogil:
-            self.ctx = llama_init_from_model(model.model, params)
-        if self.ctx is NULL:
-            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, "
-                               f"n_seq_max={n_seq_max}, n_batch={n_batch})")
+        self.ctx = _new_context(model, params, n_threads, f"a context (n_ctx={n_ctx}, "
+                                f"n_seq_max={n_seq_max}, n_batch={n_batch})")
         self.n_ctx = llama_n_ctx(self.ctx)
         self.n_ctx_seq = llama_n_ctx_seq(self.ctx)
         self.kv_unified = kv_unified
@@ -290,7 +302,7 @@ cdef class Context:
         self.n_batch = llama_n_batch(self.ctx)
         self.n_vocab = model.n_vocab
         self.mask_words = (self.n_vocab + 31) // 32
-        self.n_threads = params.n_threads
+        self.n_threads = llama_n_threads(self.ctx)
         self.batch = llama_batch_init(self.n_batch, 0, 1)
         self.chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
         self.ban_eog = <unsigned char *> calloc(self.n_seq_max, 1)
@@ -847,18 +859,12 @@ cdef class Embedder:
         params.n_batch = n_ctx
         params.n_ubatch = n_ctx
         params.n_seq_max = n_seq_max
-        params.n_threads = n_threads if n_threads > 0 else (os.cpu_count() or 1)
-        params.n_threads_batch = params.n_threads
         params.embeddings = True
         params.pooling_type = _POOLING[pooling]
         params.kv_unified = True
-        params.no_perf = True
         self.model = model
-        with nogil:
-            self.ctx = llama_init_from_model(model.model, params)
-        if self.ctx is NULL:
-            raise RuntimeError(f"llama.cpp could not create an embeddings context "
-                               f"(n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        self.ctx = _new_context(model, params, n_threads, f"an embeddings context "
+                                f"(n_ctx={n_ctx}, n_seq_max={n_seq_max})")
         self.n_batch = llama_n_batch(self.ctx)  # n_ctx itself may be rounded up
         self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_embd = llama_model_n_embd_out(model.model)

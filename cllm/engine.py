@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cllm import _core, structured
-from cllm.config import EngineConfig, SamplingParams, usable_cores
+from cllm.config import EngineConfig, SamplingParams
 from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
 from cllm.batch import RunRows, StepRows
@@ -109,8 +109,7 @@ class Engine:
         self.ctx = _core.Context(self.model, n_ctx=config.n_ctx,
                                  n_seq_max=_slots(config.n_parallel, self.kv_unified),
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
-                                 n_threads=config.n_threads or usable_cores(),
-                                 flash_attn=config.flash_attn,
+                                 n_threads=config.n_threads, flash_attn=config.flash_attn,
                                  kv_unified=self.kv_unified, aligned_prefill=aligned)
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
