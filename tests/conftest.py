@@ -34,15 +34,20 @@ def pytest_addoption(parser):
                     help="requests in soak mode [10000]")
 
 
-# Clients of the module's own `server` fixture (a ServerProcess), for the modules that start one.
+# Clients of the module's own `server` fixture (a ServerProcess), for the modules that start one;
+# a module may set HTTP_TIMEOUT (seconds, default 120) for slow requests.
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
+def http(request, server):
+    with httpx.Client(base_url=server.url, timeout=_timeout(request)) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def client(request, server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
+                       timeout=_timeout(request)) as c:
         yield c
+
+
+def _timeout(request) -> float:
+    return getattr(request.module, "HTTP_TIMEOUT", 120)

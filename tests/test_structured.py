@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from cllm import _core
@@ -225,17 +224,7 @@ def server():
         yield srv
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=300) as c:
-        yield c
+HTTP_TIMEOUT = 300  # constrained replies of many schemas, on 2 busy cores
 
 
 def _texts(path: str, response: dict) -> list[str]:
