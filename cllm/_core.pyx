@@ -15,6 +15,19 @@ from libc.stdlib cimport calloc, free, malloc
 
 from cllm._llama cimport *
 
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+cdef extern from *:
+    """
+    /* A flag another thread sets once the data it guards is written: read it with acquire
+       order, so that the data reads after it are not moved before it. */
+    static inline int cllm_load_acquire(const volatile int *flag) {
+        return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    }
+    """
+    int cllm_load_acquire(const volatile int * flag) nogil
+
 
 class ModelLoadError(RuntimeError):
     """A model file could not be loaded; the message names the path and the reason."""
@@ -233,6 +246,14 @@ cdef carray.array _FLOAT_ARRAY = array("f")
 # Greedy rows per thread of the argmax: fewer do not repay waking a thread.
 cdef int _ROWS_PER_THREAD = 4
 
+# Where a sequence's tokens are sampled (Context.graph_kind): from logits copied to the host, or
+# by llama.cpp's backend sampling inside the decode's graph, greedy, with or without its
+# end-of-generation tokens banned.
+cdef enum:
+    _ON_HOST = 0
+    _GREEDY = 1
+    _GREEDY_NO_EOG = 2
+
 
 cdef llama_context * _new_context(Model model, llama_context_params params, int n_threads,
                                   str what) except NULL:
@@ -262,6 +283,11 @@ cdef class Context:
     cdef llama_batch batch
     cdef llama_sampler ** chains
     cdef unsigned char * ban_eog  # per sequence: its end-of-generation tokens are never sampled
+    # Backend sampling: per slot, the chain llama.cpp samples with in its graph (or NULL), and
+    # which: _ON_HOST, _GREEDY or _GREEDY_NO_EOG. It stays attached after its sequence ends,
+    # because attaching or detaching one makes llama.cpp re-reserve its graph.
+    cdef llama_sampler ** graph_chains
+    cdef unsigned char * graph_kind
     cdef int * eog_ids
     cdef int n_eog, n_threads
     # One step's outputs to sample: sequence, batch index, and logits where greedy (else NULL).
@@ -270,16 +296,17 @@ cdef class Context:
     cdef int32_t * out_idx
     cdef float ** out_logits
     cdef const uint32_t ** out_mask  # the allowed tokens' bitmask, NULL: unconstrained
+    cdef const volatile int * masks_ready  # during a step: nonzero once the bitmasks are filled
     cdef int * out_tokens
     cdef readonly Model model
     cdef readonly int n_ctx, n_ctx_seq, n_seq_max, n_batch, n_vocab
     cdef readonly int mask_words  # uint32 words of one token bitmask: a bit per vocabulary entry
-    cdef readonly bint kv_unified, aligned_prefill
+    cdef readonly bint kv_unified, aligned_prefill, backend_sampling
     cdef volatile int _interrupted  # set from any thread: a decode run stops after its step
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
                   int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True,
-                  bint aligned_prefill=False):
+                  bint aligned_prefill=False, bint backend_sampling=False):
         if n_seq_max < 1 or n_ctx < 1 or n_batch < 1 or n_ubatch < 1:
             raise ValueError("n_ctx, n_seq_max, n_batch and n_ubatch must be positive")
         if flash_attn not in _FLASH_ATTN:
@@ -291,6 +318,8 @@ cdef class Context:
         params.n_ubatch = min(n_ubatch, n_batch)
         params.flash_attn_type = _FLASH_ATTN[flash_attn]
         params.kv_unified = kv_unified
+        if backend_sampling:
+            params.n_outputs_max_per_seq = 1  # a step samples each sequence once
         self.model = model
         self.ctx = _new_context(model, params, n_threads, f"a context (n_ctx={n_ctx}, "
                                 f"n_seq_max={n_seq_max}, n_batch={n_batch})")
@@ -298,6 +327,7 @@ cdef class Context:
         self.n_ctx_seq = llama_n_ctx_seq(self.ctx)
         self.kv_unified = kv_unified
         self.aligned_prefill = aligned_prefill and not kv_unified
+        self.backend_sampling = backend_sampling
         self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_batch = llama_n_batch(self.ctx)
         self.n_vocab = model.n_vocab
@@ -306,6 +336,8 @@ cdef class Context:
         self.batch = llama_batch_init(self.n_batch, 0, 1)
         self.chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
         self.ban_eog = <unsigned char *> calloc(self.n_seq_max, 1)
+        self.graph_chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
+        self.graph_kind = <unsigned char *> calloc(self.n_seq_max, 1)
         self.out_seq = <int *> malloc(self.n_batch * sizeof(int))
         self.out_row = <int *> malloc(self.n_batch * sizeof(int))
         self.out_idx = <int32_t *> malloc(self.n_batch * sizeof(int32_t))
@@ -316,6 +348,7 @@ cdef class Context:
         self.n_eog = len(eog)
         self.eog_ids = <int *> malloc(max(1, self.n_eog) * sizeof(int))
         if (self.chains is NULL or self.ban_eog is NULL or self.out_seq is NULL
+                or self.graph_chains is NULL or self.graph_kind is NULL
                 or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
                 or self.out_mask is NULL
@@ -343,6 +376,12 @@ cdef class Context:
             llama_batch_free(self.batch)
         if self.ctx is not NULL:
             llama_free(self.ctx)
+        if self.graph_chains is not NULL:  # after the context, which uses them until freed
+            for i in range(self.n_seq_max):
+                if self.graph_chains[i] is not NULL:
+                    llama_sampler_free(self.graph_chains[i])
+            free(self.graph_chains)
+        free(self.graph_kind)
 
     cdef void _check_seq(self, int seq_id) except *:
         if seq_id < 0 or seq_id >= self.n_seq_max:
@@ -351,15 +390,20 @@ cdef class Context:
     def set_sampler(self, int seq_id, float temperature=0.0, int top_k=0, float top_p=1.0,
                     float min_p=0.0, float repeat_penalty=1.0, float presence_penalty=0.0,
                     float frequency_penalty=0.0, int penalty_last_n=64, seed=None, history=(),
-                    bint ban_eog=False):
+                    bint ban_eog=False, bint host_logits=False):
         """Sampling for `seq_id` until it is removed. Temperature 0 with no penalty is greedy, an
         argmax over the logits. `history` (e.g. the prompt) is what the penalties already saw.
-        `ban_eog`: end-of-generation tokens are never sampled, so text runs on to its length."""
+        `ban_eog`: end-of-generation tokens are never sampled, so text runs on to its length.
+        With `backend_sampling`, a greedy sequence is sampled inside the decode's graph, and its
+        logits never reach the host, unless `host_logits` (for log-probabilities or bitmasks)."""
         self._check_seq(seq_id)
         self._free_chain(seq_id)
         self.ban_eog[seq_id] = ban_eog
         cdef bint penalised = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
-        if temperature <= 0.0 and not penalised:
+        cdef bint greedy = temperature <= 0.0 and not penalised
+        self._sample_in_graph(seq_id, _ON_HOST if not greedy or host_logits
+                              else _GREEDY_NO_EOG if ban_eog else _GREEDY)
+        if greedy:
             return
         cdef llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params())
         if ban_eog:
@@ -383,6 +427,27 @@ cdef class Context:
             for token in history[-penalty_last_n:] if penalty_last_n > 0 else history:
                 llama_sampler_accept(chain, token)
         self.chains[seq_id] = chain
+
+    cdef void _sample_in_graph(self, int seq_id, unsigned char kind) except *:
+        """Attach the graph's sampler of this kind to the slot (or detach it), unless it is
+        there already: slots keep theirs between sequences, so that a steady mix of requests
+        never makes llama.cpp re-reserve its graph."""
+        if not self.backend_sampling or self.graph_kind[seq_id] == kind:
+            return
+        cdef llama_sampler * chain = NULL
+        if kind != _ON_HOST:
+            chain = llama_sampler_chain_init(llama_sampler_chain_default_params())
+            if kind == _GREEDY_NO_EOG:
+                llama_sampler_chain_add(chain, self._eog_bias())
+            llama_sampler_chain_add(chain, llama_sampler_init_greedy())
+        cdef bint attached = llama_set_sampler(self.ctx, seq_id, chain)
+        if self.graph_chains[seq_id] is not NULL:  # no longer in llama.cpp's hands
+            llama_sampler_free(self.graph_chains[seq_id])
+        self.graph_chains[seq_id], self.graph_kind[seq_id] = chain, kind
+        if not attached:  # the device cannot run these samplers: sample on the host from now on
+            llama_sampler_free(chain)
+            self.graph_chains[seq_id], self.graph_kind[seq_id] = NULL, _ON_HOST
+            self.backend_sampling = False
 
     cdef llama_sampler * _eog_bias(self) except NULL:
         """A sampler that sets every end-of-generation token's logit to -inf."""
@@ -410,6 +475,7 @@ cdef class Context:
         self._check_seq(seq_id)
         cdef ParkedSampler parked = ParkedSampler.__new__(ParkedSampler)
         parked.chain, parked.ban_eog = self.chains[seq_id], self.ban_eog[seq_id]
+        parked.graph_kind = self.graph_kind[seq_id]
         self.chains[seq_id], self.ban_eog[seq_id] = NULL, 0
         return parked
 
@@ -417,6 +483,7 @@ cdef class Context:
         self._check_seq(seq_id)
         self._free_chain(seq_id)
         self.chains[seq_id], self.ban_eog[seq_id] = parked.chain, parked.ban_eog
+        self._sample_in_graph(seq_id, parked.graph_kind)
         parked.chain = NULL
 
     def remove_sequence(self, int seq_id):
@@ -471,7 +538,8 @@ cdef class Context:
 
     def step(self, const int[::1] seq_ids, const int[::1] positions, const int[::1] n_tokens,
              const int[::1] sample, const int[::1] tokens, const int[::1] top_logprobs=None,
-             const int[::1] mask_rows=None, const int[::1] masks=None):
+             const int[::1] mask_rows=None, const int[::1] masks=None,
+             const int[::1] masks_ready=None):
         """Decode one batch and sample.
 
         Row r feeds `n_tokens[r]` tokens (taken in order from `tokens`) of sequence `seq_ids[r]`,
@@ -482,6 +550,9 @@ cdef class Context:
         per bitmask, a set bit for each allowed token), a row samples only among its allowed
         tokens: the others' logits become -inf before its sampler (or argmax) and the
         log-probabilities see them, so they report the constrained distribution.
+        With `masks_ready`, another thread is still filling `masks` when the step starts: the
+        step decodes (on a GPU, while the other thread works) and waits for
+        `masks_ready[0] != 0` before it samples a masked row.
 
         With `aligned_prefill` (split streams only), the one-token rows decode together and
         each longer row on its own, cut at its last multiple of PREFILL_BLOCK (see there). Raises KVCacheFullError when the batch
@@ -493,6 +564,7 @@ cdef class Context:
             raise ValueError("top_logprobs must have one entry per row")
         self._check_rows(seq_ids, n_tokens, tokens)
         cdef const uint32_t * mask_data = self._check_masks(n_rows, mask_rows, masks)
+        self._check_host_rows(seq_ids, sample, top_logprobs, mask_rows)
         cdef carray.array out = carray.clone(_INT_ARRAY, n_rows, False)
         cdef int k = 0
         cdef Logprobs lp = None
@@ -512,10 +584,14 @@ cdef class Context:
         cdef const int * row_masks = &mask_rows[0] if mask_data != NULL else NULL
         cdef int32_t rc
         cdef int failed_call = 0
+        if masks_ready is not None and masks_ready.shape[0] < 1:
+            raise ValueError("masks_ready must hold one flag")
+        self.masks_ready = &masks_ready[0] if masks_ready is not None else NULL
         with nogil:
             rc = self._decode_pieces(pieces, seq_ids, positions, n_tokens, sample, tokens,
                                      mask_data, row_masks, out.data.as_ints, &wanted,
                                      &failed_call)
+        self.masks_ready = NULL
         if rc == 1 and failed_call == 0:
             raise KVCacheFullError(rc, "no room in the KV cache for this batch")
         if rc != 0:
@@ -631,11 +707,14 @@ cdef class Context:
         # One wait for the GPU: the outputs' logits lie in batch order, row i for output i
         # (llama_get_logits_ith would synchronise once per row).
         cdef float * all_logits = llama_get_logits(self.ctx)
+        self._await_masks(n)
         for i in range(n):
             chain = self.chains[self.out_seq[i]]
             logits[i] = NULL
             out[i] = -1
-            if chain is not NULL:
+            if self.graph_kind[self.out_seq[i]] != _ON_HOST:  # the graph sampled it
+                out[i] = llama_get_sampled_token_ith(self.ctx, self.out_idx[i])
+            elif chain is not NULL:
                 if self.out_mask[i] != NULL and all_logits is not NULL:
                     _apply_mask(all_logits + <size_t> i * self.n_vocab, self.n_vocab,
                                 self.out_mask[i])
@@ -654,6 +733,28 @@ cdef class Context:
                 if masks[i] != NULL:
                     _apply_mask(logits[i], n_vocab, masks[i])
                 out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
+
+    cdef void _await_masks(self, int n) noexcept nogil:
+        """Wait until the step's bitmasks are filled, if a row of these n outputs has one."""
+        cdef int i
+        if self.masks_ready == NULL:
+            return
+        for i in range(n):
+            if self.out_mask[i] != NULL:
+                while cllm_load_acquire(self.masks_ready) == 0:
+                    sched_yield()  # the filling takes well under a millisecond
+                return
+
+    cdef void _check_host_rows(self, const int[::1] seq_ids, const int[::1] sample,
+                               const int[::1] top_logprobs, const int[::1] mask_rows) except *:
+        """Log-probabilities and bitmasks need a row's logits on the host."""
+        cdef Py_ssize_t r
+        for r in range(seq_ids.shape[0]):
+            if sample[r] and self.graph_kind[seq_ids[r]] != _ON_HOST and (
+                    (top_logprobs is not None and top_logprobs[r] >= 0)
+                    or (mask_rows is not None and mask_rows[r] >= 0)):
+                raise ValueError(f"sequence {seq_ids[r]} is sampled in the graph: log-probabilities "
+                                 "and bitmasks need set_sampler(host_logits=True)")
 
     cdef void _check_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
                           const int[::1] tokens) except *:
@@ -934,7 +1035,7 @@ cdef class Embedder:
 cdef class ParkedSampler:
     """A sequence's sampler while it is preempted (Context.park_sampler); freed if unused."""
     cdef llama_sampler * chain
-    cdef unsigned char ban_eog
+    cdef unsigned char ban_eog, graph_kind
 
     def __dealloc__(self):
         if self.chain is not NULL:

@@ -67,6 +67,7 @@ cdef extern from "llama.h" nogil:
         bint no_perf
         bint kv_unified
         bint swa_full
+        uint32_t n_outputs_max_per_seq
 
     ctypedef struct llama_sampler_chain_params:
         bint no_perf
@@ -136,6 +137,8 @@ cdef extern from "llama.h" nogil:
     void llama_sampler_free(llama_sampler * smpl)
     void llama_sampler_accept(llama_sampler * smpl, llama_token token)
     llama_token llama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_t idx)
+    bint llama_set_sampler(llama_context * ctx, llama_seq_id seq_id, llama_sampler * smpl)
+    llama_token llama_get_sampled_token_ith(llama_context * ctx, int32_t i)
     llama_sampler * llama_sampler_init_greedy()
     llama_sampler * llama_sampler_init_dist(uint32_t seed)
     llama_sampler * llama_sampler_init_top_k(int32_t k)

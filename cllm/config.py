@@ -83,6 +83,10 @@ class EngineConfig:
     # (ARCHITECTURE.md has the measurements).
     kv_unified: bool | None = None
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
+    # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
+    # travel to the host. Off: as built, each slot's first attach makes llama.cpp re-reserve its
+    # graph, which cost more than it saved (ARCHITECTURE.md has the measurements).
+    backend_sampling: bool = False
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int = 0  # 0: every core this process may use

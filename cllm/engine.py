@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cllm import _core, structured
-from cllm.config import EngineConfig, SamplingParams
+from cllm.config import EngineConfig, SamplingParams, usable_cores
 from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
 from cllm.batch import RunRows, StepRows
@@ -110,7 +110,8 @@ class Engine:
                                  n_seq_max=_slots(config.n_parallel, self.kv_unified),
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
-                                 kv_unified=self.kv_unified, aligned_prefill=aligned)
+                                 kv_unified=self.kv_unified, aligned_prefill=aligned,
+                                 backend_sampling=config.backend_sampling)
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
@@ -121,7 +122,9 @@ class Engine:
                                    prefix_cache=config.prefix_cache,
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
-        self._masks = structured.MaskFiller(self.ctx.mask_words)
+        # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on spare cores.
+        self._masks = structured.MaskFiller(
+            self.ctx.mask_words, threads=min(8, usable_cores() // 2) if gpu else 1, overlap=gpu)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where a step dwarfs it.
@@ -227,6 +230,7 @@ class Engine:
             self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
         with self._inbox_lock:
             self._closed = True
+        self._masks.close()
         if self.failure:
             self._fail_all(self.failure)
         else:
@@ -345,13 +349,11 @@ class Engine:
                 min_p=p.min_p, repeat_penalty=p.repeat_penalty,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                 seed=p.seed, history=seq.prompt_token_ids + seq.output_token_ids,
-                ban_eog=p.ignore_eos)
+                ban_eog=p.ignore_eos, host_logits=p.logprobs is not None or p.grammar is not None)
 
     def _decode(self, out: SchedulerOutput, rows: StepRows, outbox: _Outbox):
-        mask_rows, masks = self._step_masks(out)
         try:
-            return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
-                                 rows.tokens, rows.top_logprobs, mask_rows, masks)
+            return self._step_with_masks(out, rows)
         except _core.KVCacheFullError:
             # Nothing was written: give the newest sequence's cells back and plan again.
             victim = self.scheduler.preempt_newest(time.monotonic())
@@ -363,6 +365,18 @@ class Engine:
             else:
                 self._step_each_alone(out, exc, outbox)
         return None
+
+    def _step_with_masks(self, out: SchedulerOutput, rows: StepRows):
+        mask_rows, masks = self._step_masks(out)
+        if masks is None:
+            return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
+                                 rows.tokens, rows.top_logprobs)
+        try:
+            return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
+                                 rows.tokens, rows.top_logprobs, mask_rows, masks.data,
+                                 masks.ready)
+        finally:
+            masks.wait()  # the buffer is the next step's
 
     def _step_each_alone(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
         """After a batch failed, decode its rows one by one, so that only the rows that fail on
@@ -401,7 +415,7 @@ class Engine:
         return None
 
     def _step_masks(self, out: SchedulerOutput):
-        """(mask_rows, masks) for Context.step: the allowed tokens of each constrained row that
+        """(mask_rows, Masks) for Context.step: the allowed tokens of each constrained row that
         samples this step, into one buffer; (None, None) when no row is constrained."""
         matchers = []
         mask_rows = None
@@ -420,12 +434,16 @@ class Engine:
         """Feed each constrained sequence's new token to its matcher; the sequence ends (stop)
         when its grammar is complete, so the output always matches unless it ran out of
         tokens."""
-        for i, _ in got:
-            seq = out.chunks[i].seq
-            matcher = self._live[seq].matcher
-            if matcher is None or seq.is_finished:  # an end token or max_tokens ended it
-                continue
-            if not matcher.consume_token(seq.output_token_ids[-1]):
+        constrained = [seq for seq in (out.chunks[i].seq for i, _ in got)
+                       if self._live[seq].matcher is not None
+                       and not seq.is_finished]  # an end token or max_tokens ended it
+        if not constrained:
+            return
+        matchers = [self._live[seq].matcher for seq in constrained]
+        accepted = self._masks.consume([(matcher, seq.output_token_ids[-1])
+                                        for matcher, seq in zip(matchers, constrained)])
+        for seq, matcher, ok in zip(constrained, matchers, accepted):
+            if not ok:
                 self.scheduler.finish(seq, FINISH_ERROR, now,
                                       f"the grammar refused a token: {matcher.get_error()}")
             elif matcher.is_stopped():

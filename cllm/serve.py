@@ -40,6 +40,9 @@ OPTIONS = {
     "kv_unified": (_flag, _ENGINE.kv_unified,
                    "one KV pool for all sequences (--no-kv-unified: ctx-size / parallel each; "
                    "default: split on a CPU, one pool on a GPU)"),
+    "backend_sampling": (_flag, _ENGINE.backend_sampling,
+                         "sample greedy requests inside llama.cpp's graph on the device, so their "
+                         "logits never reach the host (slower as it stands: see ARCHITECTURE.md)"),
     "prefix_cache": (_flag, _ENGINE.prefix_cache,
                      "start requests from cached KV of the prompt prefixes they share"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
@@ -110,7 +113,7 @@ def build_config(options: dict) -> ServerConfig:
         model=options["model"], n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
         n_threads=options["threads"], cpu_wait=options["cpu_wait"],
-        kv_unified=options["kv_unified"],
+        kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
         prefix_cache=options["prefix_cache"], n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"],

@@ -9,6 +9,7 @@ import json
 import threading
 from array import array
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
@@ -118,23 +119,72 @@ class Grammars:
         return Grammar(source, prototype)
 
 
-class MaskFiller:
-    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each. Each
-    matcher computes its mask on the engine thread with the GIL released. llguidance's
-    LLExecutor spreads rows over a thread pool, but waking it cost 150-800 us a row on the
-    2-core CPU against ~15 us done in turn (bench/structured_libs.py; ARCHITECTURE.md)."""
+class Masks:
+    """One step's bitmasks, as Context.step takes them: `data`, and `ready` (a flag another
+    thread sets once `data` is filled; None when it was filled before the step)."""
+    __slots__ = ("data", "ready", "_pending")
 
-    def __init__(self, words: int) -> None:
+    def __init__(self, data: memoryview, ready: array | None = None, pending: Future | None = None):
+        self.data, self.ready, self._pending = data, ready, pending
+
+    def wait(self) -> None:
+        """Return once the filling is over; raise what it raised."""
+        if self._pending is not None:
+            self._pending.result()
+
+
+class MaskFiller:
+    """Each step's matcher work: the bitmasks before the decode (one per constrained row, `words`
+    uint32 words each) and the sampled tokens after it.
+
+    `threads` > 1: llguidance's LLExecutor spreads the rows over a pool, worth it only where
+    cores are spare (a GPU machine, where 64 rows in turn took about as long as the step):
+    where llama.cpp's threads take every core, waking the pool cost 150-800 us a row against
+    ~15 us in turn (the 2-core CPU; bench/structured_libs.py, ARCHITECTURE.md).
+    `overlap`: the bitmasks are filled on a thread of their own while the step decodes, and the
+    core waits for them before it samples: on a GPU the decode leaves the CPU idle."""
+
+    MIN_PARALLEL_ROWS = 4  # below this, one thread in turn is faster than waking the pool
+
+    def __init__(self, words: int, threads: int = 1, overlap: bool = False) -> None:
         self.words = words
         self._buffer = array("i")
+        self._pool = llguidance.LLExecutor(threads) if threads > 1 else None
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="cllm-masks") if overlap
+                        else None)
 
-    def fill(self, matchers: list[llguidance.LLMatcher]) -> memoryview:
-        """The bitmasks of `matchers`, in order, as one flat int32 array (reused by the next
-        call: pass it to the core before filling again)."""
+    def fill(self, matchers: list[llguidance.LLMatcher]) -> Masks:
+        """The bitmasks of `matchers`, in order, in one flat int32 buffer (reused: wait for
+        them and pass them to the core before filling again)."""
         size = len(matchers) * self.words
         if len(self._buffer) < size:
             self._buffer = array("i", bytes(4 * size))
-        address, nbytes = self._buffer.buffer_info()[0], 4 * self.words
-        for i, matcher in enumerate(matchers):
-            matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
-        return memoryview(self._buffer)[:size]
+        data = memoryview(self._buffer)[:size]
+        if self._worker is None:
+            self._fill(matchers)
+            return Masks(data)
+        ready = array("i", [0])
+        return Masks(data, ready, self._worker.submit(self._fill, matchers, ready))
+
+    @staticmethod
+    def consume(pairs: list[tuple[llguidance.LLMatcher, int]]) -> list[bool]:
+        """Feed each matcher its sampled token; whether each accepted it. In turn: the pool's
+        consume_token_par took 1.6 ms for 64 rows on the H100's host against 0.2 ms in turn."""
+        return [matcher.consume_token(token) for matcher, token in pairs]
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+
+    def _fill(self, matchers: list[llguidance.LLMatcher], ready: array | None = None) -> None:
+        try:
+            address, nbytes = self._buffer.buffer_info()[0], 4 * self.words
+            if self._pool is not None and len(matchers) >= self.MIN_PARALLEL_ROWS:
+                self._pool.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                                   address, nbytes, len(matchers))
+                return
+            for i, matcher in enumerate(matchers):  # each call releases the GIL
+                matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
+        finally:
+            if ready is not None:
+                ready[0] = 1  # also after a failure: the core must never wait forever

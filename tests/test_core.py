@@ -202,6 +202,109 @@ def test_greedy_rows_sampled_in_parallel_take_each_rows_best_token(ctx, model):
             assert not model.is_eog(token)
 
 
+def test_a_step_waits_for_bitmasks_another_thread_is_still_filling(ctx, model):
+    """With masks_ready, the masks are written after the step starts; the sampled token must be
+    the one token they allow, never what the unfilled (all-zero) buffer would give."""
+    tokens = model.tokenize("The capital of France is")
+    allowed = 4242
+    masks = array("i", bytes(4 * ctx.mask_words))
+    ready = array("i", [0])
+
+    def fill_late():
+        time.sleep(0.2)
+        masks[allowed // 32] = 1 << (allowed % 32) if allowed % 32 < 31 else -(1 << 31)
+        ready[0] = 1
+
+    for ban_eog in (False, True):  # greedy argmax, and a sampler chain
+        ready[0] = 0
+        masks[allowed // 32] = 0
+        ctx.set_sampler(7, temperature=0.0 if not ban_eog else 0.8, seed=1, ban_eog=ban_eog)
+        filler = threading.Thread(target=fill_late)
+        filler.start()
+        out = ctx.step(ints([7]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
+                       None, ints([0]), masks, ready)
+        filler.join()
+        ctx.remove_sequence(7)
+        assert list(out) == [allowed]
+
+
+@pytest.fixture(scope="module")
+def graph_ctx(model):
+    """A context that samples greedy sequences inside llama.cpp's graph (backend sampling:
+    the CPU backend runs those samplers too, so this runs here as on a GPU)."""
+    context = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True,
+                            backend_sampling=True)
+    assert context.backend_sampling
+    return context
+
+
+
+
+def test_sampling_in_the_graph_gives_the_host_greedy_tokens_beside_host_rows(graph_ctx, model):
+    host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True)
+    kinds = [{}, {"ban_eog": True}, {"temperature": 0.8, "seed": 3}, {"host_logits": True},
+             {}, {"ban_eog": True}]
+
+    def run(context):
+        tokens = [model.tokenize(p) for p in PROMPTS[:len(kinds)]]
+        for seq_id, kind in enumerate(kinds):
+            context.set_sampler(seq_id, **kind)
+        rows = ints(range(len(kinds)))
+        first = context.step(rows, ints([0] * len(kinds)), ints([len(t) for t in tokens]),
+                             ints([1] * len(kinds)), ints([t for row in tokens for t in row]))
+        stepped = context.step(rows, ints([len(t) for t in tokens]), ints([1] * len(kinds)),
+                               ints([1] * len(kinds)), first)
+        run_tokens, counts = context.decode_run(rows, ints([len(t) + 1 for t in tokens]),
+                                                stepped, ints([12] * len(kinds)), 12)
+        for seq_id in range(len(kinds)):
+            context.remove_sequence(seq_id)
+        return list(first), list(stepped), list(run_tokens), list(counts)
+
+    assert run(graph_ctx) == run(host_ctx)
+    # and when every row samples in the graph, so that no logits reach the host at all
+    kinds = [{}, {"ban_eog": True}, {}, {"ban_eog": True}]
+    assert run(graph_ctx) == run(host_ctx)
+    assert graph_ctx.kv_cells_used() == 0
+
+
+def test_a_slot_changes_where_it_samples_with_each_sequence(graph_ctx, model):
+    """Slots keep their graph sampler between sequences; a sequence that needs another kind
+    (host, greedy, greedy without end tokens) gets it, and a parked sampler moves along."""
+    host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True)
+    for kind in ({}, {"temperature": 0.7, "seed": 5}, {"ban_eog": True}, {"host_logits": True},
+                 {}):
+        expected = generate_together(host_ctx, model, PROMPTS[:2], 8, **kind)
+        assert generate_together(graph_ctx, model, PROMPTS[:2], 8, **kind) == expected
+    tokens = model.tokenize(PROMPTS[3])
+    graph_ctx.set_sampler(0, ban_eog=True)
+    first = graph_ctx.step(ints([0]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+    graph_ctx.set_sampler(5, temperature=0.9, seed=1)  # slot 5 samples on the host now
+    graph_ctx.share_prefix(5, 0, len(tokens))
+    graph_ctx.restore_sampler(5, graph_ctx.park_sampler(0))
+    graph_ctx.remove_sequence(0)
+    nxt = graph_ctx.step(ints([5]), ints([len(tokens)]), ints([1]), ints([1]), first)
+    graph_ctx.remove_sequence(5)
+    expected = generate_together(host_ctx, model, [PROMPTS[3]], 2, ban_eog=True)[0]
+    assert [first[0], nxt[0]] == expected
+
+
+def test_a_sequence_sampled_in_the_graph_refuses_logprobs_and_bitmasks(graph_ctx, model):
+    tokens = model.tokenize(PROMPTS[0])
+    graph_ctx.set_sampler(1)
+    masks = array("i", [-1]) * graph_ctx.mask_words
+    with pytest.raises(ValueError, match="host_logits"):
+        graph_ctx.step(ints([1]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
+                       ints([2]))
+    with pytest.raises(ValueError, match="host_logits"):
+        graph_ctx.step(ints([1]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
+                       None, ints([0]), masks)
+    graph_ctx.set_sampler(1, host_logits=True)
+    _, lp = graph_ctx.step(ints([1]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
+                           ints([2]))
+    graph_ctx.remove_sequence(1)
+    assert lp.row(0)[1][0][0] >= 0
+
+
 def test_prefill_chunks_without_sampling_return_minus_one(ctx, model):
     tokens = model.tokenize("The capital of France is")
     ctx.set_sampler(6)

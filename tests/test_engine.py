@@ -267,6 +267,35 @@ async def run_tokens(engine, tokens, cache_prompt=True, **sampling):
     return text, ids, delta
 
 
+def test_sampling_in_the_graph_serves_every_kind_of_request_as_the_host_does(model_path):
+    """Backend sampling (the GPU default) beside requests that need host logits: greedy,
+    logprobs, a grammar and a seeded sample run together and give the host's tokens."""
+    def requests(eng):
+        return [run_tokens(eng, eng.model.tokenize(PROMPTS[0]), max_tokens=8, temperature=0),
+                run_tokens(eng, eng.model.tokenize(PROMPTS[1]), max_tokens=8, temperature=0,
+                           ignore_eos=True),
+                run_tokens(eng, eng.model.tokenize(PROMPTS[2]), max_tokens=8, temperature=0,
+                           logprobs=2),
+                run_tokens(eng, eng.model.tokenize(PROMPTS[3]), max_tokens=8, temperature=0,
+                           grammar=eng.grammars.gbnf('root ::= "yes" | "no"')),
+                run_tokens(eng, eng.model.tokenize(PROMPTS[4]), max_tokens=8, temperature=0.8,
+                           seed=11)]
+
+    results = []
+    for backend_sampling in (True, False):
+        eng = Engine(EngineConfig(n_ctx=4096, n_parallel=8, n_threads=2, kv_unified=True,
+                                  backend_sampling=backend_sampling), model_path)
+        try:
+            assert eng.ctx.backend_sampling is backend_sampling
+
+            async def together():
+                return await asyncio.gather(*requests(eng))
+            results.append([(ids, delta.finish_reason) for _, ids, delta in asyncio.run(together())])
+        finally:
+            eng.shutdown()
+    assert results[0] == results[1]
+
+
 def test_default_kv_layout_is_split_on_a_cpu_and_one_pool_on_a_gpu(engine):
     default = EngineConfig()
     assert default.kv_unified is None and default.prefix_cache

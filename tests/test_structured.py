@@ -14,7 +14,7 @@ import pytest
 from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
-from cllm.structured import GrammarError
+from cllm.structured import GrammarError, MaskFiller
 from http_checks import assert_error, metrics, sse_payloads
 from server_process import ServerProcess
 from test_engine import ON_GPU_NOT_BATCH_INVARIANT, FaultyContext, assert_idle, run_tokens
@@ -87,6 +87,55 @@ def test_the_vocabulary_comes_from_the_gguf(engine):
 
 
 # ---- the engine: outputs match, whatever runs beside them ----
+
+def _matchers_midway(engine, n: int) -> list:
+    """Matchers of n test schemas, each advanced by a few tokens its grammar allows."""
+    matchers = []
+    for item in SCHEMAS[:n]:
+        matcher = engine.grammars.json_schema(item["schema"]).matcher()
+        for token in engine.model.tokenize('{"', add_special=False)[:1]:
+            matcher.consume_token(token)
+        matchers.append(matcher)
+    return matchers
+
+
+@pytest.mark.parametrize("threads, overlap", [(2, False), (1, True), (2, True)])
+def test_masks_filled_in_parallel_or_while_decoding_equal_masks_filled_in_turn(
+        engine, threads, overlap):
+    words = engine.ctx.mask_words
+    in_turn = MaskFiller(words)
+    other = MaskFiller(words, threads=threads, overlap=overlap)
+    matchers = _matchers_midway(engine, 8)
+    expected = bytes(in_turn.fill(matchers).data)
+    assert len(set(expected[i * 4 * words:(i + 1) * 4 * words] for i in range(8))) > 1
+    masks = other.fill(matchers)
+    masks.wait()
+    assert bytes(masks.data) == expected
+    assert masks.ready is None or masks.ready[0] == 1
+    other.close()
+
+
+def test_the_engine_overlapping_masks_with_the_decode_gives_the_same_outputs(model_path, engine):
+    """The GPU engine's way (bitmasks filled on spare cores while the step decodes), run here:
+    greedy constrained outputs equal the in-turn engine's, token for token."""
+    async def outputs(eng):
+        return await asyncio.gather(*(
+            run_tokens(eng, eng.model.tokenize(chat_prompt(ask_for(item))),
+                       **constrained(eng, schema=item["schema"], max_tokens=MAX_TOKENS,
+                                     temperature=0))
+            for item in SCHEMAS[:8]))
+
+    overlapped = Engine(EngineConfig(n_ctx=16 * 512, n_parallel=16, n_threads=2,
+                                     kv_unified=False), model_path)
+    overlapped._masks = MaskFiller(overlapped.ctx.mask_words, threads=2, overlap=True)
+    try:
+        got = asyncio.run(outputs(overlapped))
+    finally:
+        overlapped.shutdown()
+    assert [ids for _, ids, _ in got] == [ids for _, ids, _ in asyncio.run(outputs(engine))]
+    for item, (text, _, _) in zip(SCHEMAS[:8], got):
+        assert validates(text, item["schema"])
+
 
 def test_every_schema_validates_greedy_and_sampled(engine):
     async def scenario():
@@ -168,6 +217,7 @@ def test_logprobs_report_the_constrained_distribution(engine):
     assert first.logprob == max(lp for _, lp in first.top)  # greedy took the likeliest
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the texts these expect are the CPU's
 def test_a_preempted_constrained_request_resumes_where_it_was(model_path, engine):
     item = SCHEMAS[6]  # nested_address
     tokens = engine.model.tokenize(chat_prompt(ask_for(item)))
@@ -187,6 +237,7 @@ def test_a_preempted_constrained_request_resumes_where_it_was(model_path, engine
         eng.shutdown()
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the texts these expect are the CPU's
 def test_decode_runs_stop_at_constrained_rows(model_path, engine):
     """With several decode steps per call, a step holding a constrained row runs one token."""
     prompts = [chat_prompt("Tell me about the sea."), chat_prompt("What is a cat?")]
@@ -288,6 +339,7 @@ def test_every_schema_validates_over_http(server):
     assert outputs == 30
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the texts these expect are the CPU's
 def test_json_mode_always_parses(server):
     questions = ["Describe a cat.", "List three fruits.", "Who are you?", "What is 2+2?"]
 
@@ -377,6 +429,7 @@ def test_required_calls_are_valid_calls_of_offered_tools(client):
         assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the texts these expect are the CPU's
 def test_parallel_calls_come_with_their_own_ids(client):
     """A reply of two forced calls (the grammar allows one or more; the prompt asks for two)."""
     messages = [{"role": "system", "content": "Always call get_weather once for each city."},
