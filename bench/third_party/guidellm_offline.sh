@@ -16,6 +16,7 @@
 # takes 1.5 GB and about a minute; from the package index alone, torch on Linux x86_64 is a CUDA
 # build: 6 GB with its nvidia-* wheels, and without them it does not import (libcudnn missing).
 set -euo pipefail
+source "$(dirname "$0")/cllm_server.sh"
 
 VENV=${GUIDELLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/cllm/guidellm-venv}
 TORCH=${TORCH:-torch==2.13.0}
@@ -37,12 +38,7 @@ fi
 
 mkdir "$work/tokenizer"  # a directory, as transformers' AutoTokenizer loads it
 python -m cllm.bench.tokenizer "$work/tokenizer/tokenizer.json" >/dev/null
-python -m cllm.serve --port "$PORT" --threads 2 >"$work/server.log" 2>&1 &
-server_pid=$!
-until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log"; exit 1; }
-    sleep 0.5
-done
+start_cllm "$work/server.log" "$PORT" --threads 2
 
 # About 70 s: closed loops of 1, 2 and 4 streams, 20 s each, 128 prompt and 64 output tokens.
 (( $# )) || set -- --profile kind=concurrent,streams=1 --override profile.streams 1,2,4 \
