@@ -13,8 +13,8 @@
 # The smallest install that works is a CPU build; TORCH (default torch==2.13.0) is what pip puts
 # beside guidellm. Where pip finds a CPU build for it (on this project's machines a file on disk;
 # elsewhere PyTorch's own CPU wheel index, given to pip as PIP_EXTRA_INDEX_URL) the virtualenv
-# takes 1.5 GB and about a minute; from the package index alone, torch on Linux x86_64 is a CUDA
-# build: 6 GB with its nvidia-* wheels, and without them it does not import (libcudnn missing).
+# takes 1.5 GB and one to two minutes; from the package index alone, torch on Linux x86_64 is a
+# CUDA build: 6 GB with its nvidia-* wheels, and without them it does not import (libcudnn missing).
 set -euo pipefail
 source "$(dirname "$0")/cllm_server.sh"
 
