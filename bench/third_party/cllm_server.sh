@@ -11,3 +11,8 @@ start_cllm() {
         sleep 0.5
     done
 }
+
+# A TCP port that nothing listens on now.
+free_port() {
+    python -c 'import socket; print(socket.create_server(("127.0.0.1", 0)).getsockname()[1])'
+}

@@ -21,7 +21,7 @@ source "$(dirname "$0")/cllm_server.sh"
 VENV=${GUIDELLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/cllm/guidellm-venv}
 TORCH=${TORCH:-torch==2.13.0}
 OUT=${OUT:-bench/results/third-party}
-PORT=${PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+PORT=${PORT:-$(free_port)}
 work=$(mktemp -d)
 cleanup() {
     [ -n "${server_pid:-}" ] && kill "$server_pid" 2>/dev/null || true
@@ -73,7 +73,8 @@ for bench in benchmarks:
     totals = metrics["request_totals"]
     tokens = metrics["output_token_count"]["successful"]["total_sum"]
     print(f"{strategy['type_']}@{strategy.get('streams', strategy.get('rate', ''))}: "
-          f"{totals['successful']} completed, {totals['errored']} errored, {tokens:.0f} output tokens, "
+          f"{totals['successful']} completed, {totals['errored']} errored, "
+          f"{tokens:.0f} output tokens, "
           f"TTFT p50 {metrics['time_to_first_token_ms']['successful']['median']:.0f} ms, "
           f"ITL p50 {metrics['inter_token_latency_ms']['successful']['median']:.1f} ms")
     failed |= not totals["successful"] or not tokens or bool(totals["errored"])
