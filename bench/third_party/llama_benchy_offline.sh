@@ -5,6 +5,7 @@
 # (GET /v1/models: id and root). Run from the repository root, with cllm installed and
 # `pip install "llama-benchy>=0.4,<0.5" gguf tokenizers`. Extra arguments go to llama-benchy.
 set -euo pipefail
+source "$(dirname "$0")/cllm_server.sh"
 
 PORT=${PORT:-8080}
 BOOK_PORT=${BOOK_PORT:-8765}
@@ -23,12 +24,7 @@ open(sys.argv[1], "w").write(text(random.Random(0), 60000))  # English-like, see
 PY
 python -m http.server "$BOOK_PORT" --bind 127.0.0.1 --directory "$work" >/dev/null 2>&1 &
 book_pid=$!
-python -m cllm.serve --port "$PORT" >"$work/server.log" 2>&1 &
-server_pid=$!
-until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log"; exit 1; }
-    sleep 0.5
-done
+start_cllm "$work/server.log" "$PORT"
 
 models=$(curl -sf "http://127.0.0.1:$PORT/v1/models")
 served=$(python -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])' <<<"$models")

@@ -1,7 +1,7 @@
 """`python -m cllm.bench.tokenizer OUT.json [--model M]`: the model's tokenizer as a Hugging Face
 `tokenizer.json`, built from the GGUF's own vocabulary and merges, for third-party benchmark
-clients that count tokens with one (llama-benchy's --tokenizer, guidellm's --processor) on a
-machine that cannot reach the model hub.
+clients that count tokens with one (llama-benchy's --tokenizer; guidellm's --tokenizer, given the
+directory holding it) on a machine that cannot reach the model hub.
 
 GPT-2-style byte-level BPE vocabularies only (`tokenizer.ggml.model` "gpt2"), with the
 pre-tokenizers llama.cpp gives the GPT-2 pattern (digits one by one for SmolLM and its kin);
