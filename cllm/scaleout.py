@@ -28,7 +28,8 @@ from cllm import metrics, routing
 from cllm.api import APIError
 from cllm.config import ServerConfig
 from cllm.responses import sse_event, typed_event
-from cllm.server import error_response, error_shape, read_body
+from cllm.serve import app_for
+from cllm.server import access_checks, error_response, error_shape, read_body
 
 log = logging.getLogger("cllm.scaleout")
 
@@ -94,7 +95,6 @@ class Engine:
     Ray replaces the replica."""
 
     async def __init__(self, config: ServerConfig, board: DeploymentHandle) -> None:
-        from cllm.serve import app_for  # loads llama.cpp: in the replica, not the driver
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         self.app = app_for(config)
@@ -107,6 +107,13 @@ class Engine:
             raise RuntimeError(self.state.load_error)
         self.board = board
         self.reporter = asyncio.create_task(self._report())
+
+    async def __del__(self) -> None:
+        """Ray awaits this when it stops the replica (scaled down, the application deleted):
+        requests still running end as at the single server's shutdown, with a stated 503."""
+        if hasattr(self, "reporter") and not self.reporter.done():
+            self.reporter.cancel()
+            await self.lifespan.__aexit__(None, None, None)
 
     def check_health(self) -> None:
         self.state.require_engine()  # APIError with the reason once the engine failed
@@ -170,11 +177,14 @@ class Front:
         self.engine = engine.options(stream=True)
         self.board = board
         self.prefix_chars = prefix_chars
+        self.metrics = self._metrics
+        for cls, args, kwargs in reversed(access_checks(config)):  # the replicas' own checks
+            self.metrics = cls(self.metrics, *args, **kwargs)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
-            return Response(await self.board.render.remote(), media_type=metrics.CONTENT_TYPE)
+            return ASGIResponse(self.metrics)
         try:
             body = await read_body(request, self.config)
         except APIError as error:
@@ -182,6 +192,21 @@ class Front:
         scope = {key: request.scope[key] for key in _SCOPE_KEYS if key in request.scope}
         key = routing.route_key(request.headers, _json_or_none(body), self.prefix_chars)
         return Relay(self.engine.forward.remote(key, scope, body), path)
+
+
+    async def _metrics(self, scope, receive, send) -> None:
+        exposition = await self.board.render.remote()
+        await Response(exposition, media_type=metrics.CONTENT_TYPE)(scope, receive, send)
+
+
+class ASGIResponse(Response):
+    """A response that an ASGI app makes (Ray serves what __call__ returns)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
 
 
 # What of the ASGI scope travels to the replica (Ray's own entries stay here).

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -484,13 +485,22 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         post("/v1/responses", openai_responses.create_response),
         post("/v1/messages", anthropic.create_message, error_body=anthropic_error),
         get("/", webui.page), get("/ui/{name}", webui.asset), get("/status", webui.status),
-    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
-                           public_paths=frozenset({"/health"}) | webui.PUBLIC_PATHS)
-    elif config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
-        app.add_middleware(HostCheckMiddleware, bound_host=config.host)
+    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan,
+        middleware=access_checks(config))
     return app
+
+
+def access_checks(config: ServerConfig) -> list[Middleware]:
+    """Who may call the server: the API key's holders, or without a key, clients that name its
+    address (scaleout.py guards its own routes with these too)."""
+    from cllm import webui
+
+    if config.api_key:
+        return [Middleware(APIKeyMiddleware, api_key=config.api_key,
+                           public_paths=frozenset({"/health"}) | webui.PUBLIC_PATHS)]
+    if config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
+        return [Middleware(HostCheckMiddleware, bound_host=config.host)]
+    return []
 
 
 def _load(state: AppState, engine_factory, on_load_failure) -> None:
