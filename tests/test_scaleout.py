@@ -9,9 +9,12 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from server_process import ServerProcess
 
+KEY = "scale-out-test-key"  # the replicas check it; the front's /metrics too
 MARK = "CLLMTEST_RAY_MARK"  # an environment variable every process of this test's Ray inherits
 HTTP_TIMEOUT = 120
 REPLICA = "x-cllm-replica"
@@ -37,7 +40,7 @@ def mark():
 @pytest.fixture(scope="module")
 def server(mark):
     process = ServerProcess("--replicas", "2", "--ctx-size", "2048", "--parallel", "4",
-                            startup_timeout=300)
+                            "--api-key", KEY, startup_timeout=300)
     os.environ[MARK] = mark
     try:
         process.spawn()
@@ -48,6 +51,20 @@ def server(mark):
         yield process
     finally:
         process.__exit__(None, None, None)  # SIGTERM if still running; its files removed
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT,
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                       timeout=HTTP_TIMEOUT) as c:
+        yield c
 
 
 def chat(conversation: list[dict], **extra) -> dict:
@@ -70,6 +87,14 @@ def test_errors_are_the_single_servers(http):
     original = http.post("/generate", json={"max_tokens": 3})
     assert original.status_code == 400 and original.json()["success"] is False
     assert http.get("/v1/nowhere").status_code == 404
+
+
+def test_the_api_key_guards_the_replicas_and_the_front(server):
+    assert httpx.get(server.url + "/health").status_code == 200  # public, as on one server
+    for path in ("/v1/models", "/metrics"):
+        refused = httpx.get(server.url + path)
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_a_conversation_stays_on_one_replica_and_reuses_its_cache(http):
