@@ -92,13 +92,20 @@ class HashRing:
                 break
         return list(seen)
 
-    def choose(self, key: str, loads: Mapping[Hashable, int]) -> Hashable:
-        """The replica for `key`, given each replica's requests in flight (missing: 0)."""
+    def choose(self, key: str, loads: Mapping[Hashable, int],
+               capacity: int | None = None) -> Hashable:
+        """The replica for `key`, given each replica's requests in flight (missing: 0). With
+        `capacity` (the sequences a replica decodes at once), a replica that has every slot
+        busy is passed over while another has one free: a request queued behind a full replica
+        waits longer than it takes to prefill its prefix elsewhere, and the free slot idles."""
         if not self.replicas:
             raise ValueError("no replicas to choose from")
         total = sum(loads.get(r, 0) for r in self.replicas)
         bound = math.ceil(self.load_factor * (total + 1) / len(self.replicas))
-        # One always fits: the least loaded holds at most the mean, rounded down.
+        if capacity is not None and any(loads.get(r, 0) < capacity for r in self.replicas):
+            bound = min(bound, capacity)
+        # One always fits: the least loaded holds at most the mean, rounded down, and has a
+        # free slot if any replica has.
         return next(r for r in self.order(key) if loads.get(r, 0) + 1 <= bound)
 
 

@@ -66,12 +66,15 @@ class Plan:
 
 class PrefixRouter(RequestRouter):
     """Ray's request router for Engine: a request with a routing key goes to its replica on
-    a hash ring with bounded loads (routing.HashRing), and to the least loaded if that one is
-    full; one without a key goes to the least loaded. Loads are the requests this router
+    a hash ring with bounded loads (routing.HashRing, passing over replicas with no free slot
+    while another has one), and to the least loaded if that one refuses (at
+    max_ongoing_requests); one without a key goes to the least loaded. Loads are the requests this router
     has in flight on each replica (Ray's queue-length cache: its own sends, and probes)."""
 
-    def initialize_state(self, load_factor: float = routing.LOAD_FACTOR) -> None:
+    def initialize_state(self, load_factor: float = routing.LOAD_FACTOR,
+                         capacity: int | None = None) -> None:
         self.load_factor = load_factor
+        self.capacity = capacity  # a replica's sequences decoded at once (--parallel)
         self.ring = routing.HashRing((), load_factor)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -84,7 +87,7 @@ class PrefixRouter(RequestRouter):
             return [candidate_replicas]  # Ray takes the shortest queue of a rank
         if self.ring.replicas != by_id.keys():
             self.ring = routing.HashRing(by_id, self.load_factor)
-        first = self.ring.choose(key, loads)
+        first = self.ring.choose(key, loads, self.capacity)
         rest = [by_id[i] for i in routing.least_loaded(by_id, loads) if i != first]
         return [[by_id[first]], rest] if rest else [[by_id[first]]]
 
@@ -277,7 +280,8 @@ def application(config: ServerConfig, plan: Plan) -> serve.Application:
         if plan.min_replicas is not None else {"num_replicas": plan.replicas})
     router = ({"request_router_config": RequestRouterConfig(
         request_router_class=PrefixRouter,
-        request_router_kwargs={"load_factor": plan.load_factor})}
+        request_router_kwargs={"load_factor": plan.load_factor,
+                               "capacity": config.engine.n_parallel})}
         if plan.router == "prefix" else {})
     engine = serve.deployment(
         Engine, name="Engine", max_ongoing_requests=plan.max_ongoing_requests,

@@ -86,6 +86,14 @@ def test_no_replica_takes_more_than_the_bound():
         assert max(loads.values()) <= bound
 
 
+def test_a_replica_with_every_slot_busy_is_passed_over_while_another_has_one():
+    ring = HashRing(["a", "b"], load_factor=1.25)
+    first, second = ring.order("k")
+    assert ring.choose("k", {first: 9, second: 7}) == first  # within 1.25x the mean
+    assert ring.choose("k", {first: 8, second: 7}, capacity=8) == second
+    assert ring.choose("k", {first: 8, second: 8}, capacity=8) == first  # all full: the ring
+
+
 def test_a_load_factor_below_one_is_refused():
     with pytest.raises(ValueError, match="load_factor"):
         HashRing(REPLICAS, load_factor=0.5)
