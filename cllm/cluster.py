@@ -18,6 +18,7 @@ from cllm.scaleout import Plan, application
 log = logging.getLogger("cllm.cluster")
 APP_NAME = "cllm"
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what apply_cpu_wait may set
+PROXY_TIMEOUT_MARGIN = 30.0  # seconds
 
 
 def serve_on_ray(config: ServerConfig, options: dict) -> int:
@@ -32,8 +33,11 @@ def serve_on_ray(config: ServerConfig, options: dict) -> int:
                  plan.gpus_per_replica, plan.cpus_per_replica, plan.router)
         # Ray's access log would add a line for each request and each metrics report.
         logging_config = {"log_level": options["log_level"].upper(), "enable_access_log": False}
-        serve.start(http_options={"host": config.host, "port": config.port},
-                    logging_config=logging_config)
+        # The proxy's deadline is a backstop past the engine's own (a 408 in the server's
+        # shape): a request waiting for a replica that never comes does not wait forever.
+        http = {"host": config.host, "port": config.port,
+                "request_timeout_s": config.engine.request_timeout + PROXY_TIMEOUT_MARGIN}
+        serve.start(http_options=http, logging_config=logging_config)
         serve.run(application(config, plan), name=APP_NAME, route_prefix="/",
                   logging_config=logging_config)
         log.info("serving on http://%s:%d", config.host, config.port)

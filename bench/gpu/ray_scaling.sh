@@ -98,7 +98,7 @@ install)
 throughput)  # tokens/s at saturating concurrency: the plain server, then Ray with 1..GPUS
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
   C=$PER_REPLICA
-  start plain || exit 1
+  CUDA_VISIBLE_DEVICES=0 start plain || exit 1  # one card, as a replica has (not split)
   bench plain-c$C --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
         --prompt-tokens 128 --max-tokens $MAX_TOKENS
   stop "$PID"
@@ -132,6 +132,7 @@ proxy)  # TTFT at one stream, the plain server and Ray (1 replica) measured in t
     bench proxy-c1 --url "$PLAIN" --concurrency 1 --requests 64 --warmup 8 --max-tokens 16
     stop "$PID"; stop "$PLAIN_PID"
   else  # one card: one after the other
+    export CUDA_VISIBLE_DEVICES=0
     start plain1 || exit 1
     bench proxy-plain-c1 --concurrency 1 --requests 64 --warmup 8 --max-tokens 16
     stop "$PID"
