@@ -112,12 +112,13 @@ throughput)  # tokens/s at saturating concurrency: the plain server, then Ray wi
   summary plain- ray-r
   ;;
 prefix)  # shared-prefix and multi-turn on 2 replicas, each routing on fresh caches
+  SHARE=(); [ "$GPUS" = 1 ] && SHARE=(--gpus-per-replica 0.5)  # one card: both on it
   for routing in prefix random; do
-    start sp-$routing --replicas 2 --routing $routing || exit 1
+    start sp-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
     bench sp-$routing --workload shared-prefix --concurrency $((PER_REPLICA / 2)) \
           --requests $((PER_REPLICA * REQUESTS_PER / 2)) --warmup 0 --max-tokens 32
     stop "$PID"
-    start mt-$routing --replicas 2 --routing $routing || exit 1
+    start mt-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
     bench mt-$routing --workload multi-turn --turns 6 --concurrency $((PER_REPLICA / 2)) \
           --requests $((PER_REPLICA * REQUESTS_PER)) --warmup 0 --max-tokens 48
     stop "$PID"
