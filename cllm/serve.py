@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"cllm: error: {exc}", file=sys.stderr)
         return 2
-    if options["replicas"] or options["ray_address"]:
+    if options["replicas"] or options["ray_address"] or options["max_replicas"]:
         try:
             from cllm.cluster import serve_on_ray  # Ray is an extra: imported when asked for
         except ModuleNotFoundError as exc:

@@ -148,6 +148,16 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_a_stated_error(http):
         assert later.status_code == 200, later.text
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"min_replicas": 1}, "--max-replicas"), ({"min_replicas": 3, "max_replicas": 2}, "min"),
+    ({"router": "round-robin"}, "prefix or random"), ({"max_ongoing_requests": 0}, "at least 1"),
+])
+def test_a_plan_that_cannot_work_is_refused(fields, message):
+    from cllm.scaleout import Plan
+    with pytest.raises(ValueError, match=message):
+        Plan(**fields)
+
+
 def test_shutdown_leaves_no_ray_process(server, mark):
     assert len(ray_processes(mark)) > 3  # the driver, Ray's processes, the replicas
     assert server.stop(timeout=120) == 0
