@@ -68,8 +68,9 @@ class PrefixRouter(RequestRouter):
     """Ray's request router for Engine: a request with a routing key goes to its replica on
     a hash ring with bounded loads (routing.HashRing, passing over replicas with no free slot
     while another has one), and to the least loaded if that one refuses (at
-    max_ongoing_requests); one without a key goes to the least loaded. Loads are the requests this router
-    has in flight on each replica (Ray's queue-length cache: its own sends, and probes)."""
+    max_ongoing_requests); one without a key goes to the least loaded. Loads are the requests
+    this router has in flight on each replica (Ray's queue-length cache: its own sends, and
+    probes)."""
 
     def initialize_state(self, load_factor: float = routing.LOAD_FACTOR,
                          capacity: int | None = None) -> None:
@@ -155,19 +156,22 @@ class Engine:
         app = asyncio.create_task(self.app(scope, receive, send))
         app.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while (batch := await _drain(queue)) is not None:
-                yield batch
+            ended = False
+            while not ended:
+                batch, ended = await _drain(queue)
+                if batch:
+                    yield batch
         finally:
             gone.set()
 
 
-async def _drain(queue: asyncio.Queue) -> list[dict] | None:
-    """The messages queued (waiting for one), or None once the app has ended and all went."""
+async def _drain(queue: asyncio.Queue) -> tuple[list[dict], bool]:
+    """The messages queued (waiting for one), and whether the app has ended: its None comes
+    last, often in the same batch as its last message."""
     batch = [await queue.get()]
     while not queue.empty():
         batch.append(queue.get_nowait())
-    messages = [m for m in batch if m is not None]
-    return messages or None
+    return [m for m in batch if m is not None], batch[-1] is None
 
 
 class Front:
@@ -195,7 +199,6 @@ class Front:
         scope = {key: request.scope[key] for key in _SCOPE_KEYS if key in request.scope}
         key = routing.route_key(request.headers, _json_or_none(body), self.prefix_chars)
         return Relay(self.engine.forward.remote(key, scope, body), path)
-
 
     async def _metrics(self, scope, receive, send) -> None:
         exposition = await self.board.render.remote()
