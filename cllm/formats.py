@@ -3,7 +3,6 @@ original /generate here; the other APIs' formats live beside their routes."""
 from __future__ import annotations
 
 import codecs
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,8 +110,7 @@ class TypedEventsFormat(Format):
     names its payload's type, nothing follows the last one, and usage rides in the events."""
 
     def event(self, payload: dict) -> bytes:
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {payload['type']}\ndata: {data}\n\n".encode()
+        return responses.typed_event(payload)
 
     def done_event(self) -> bytes | None:
         return None

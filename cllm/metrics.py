@@ -1,8 +1,12 @@
 """Prometheus metrics: one registry per app, gauges read from the engine when scraped."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from cllm.engine import Delta, Engine
 
@@ -72,3 +76,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merge(expositions: Mapping[str, bytes]) -> bytes:
+    """Several servers' expositions as one, each sample labelled with its server's name
+    (`replica="..."`): a family's samples stay together, as the text format requires, and
+    a query sums over replicas with `sum without (replica) (...)`."""
+    families: dict[str, Metric] = {}
+    for replica, text in expositions.items():
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation,
+                                                             family.type, family.unit))
+            merged.samples += [s._replace(labels={"replica": replica, **s.labels})
+                               for s in family.samples]
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A collector of families already built."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families

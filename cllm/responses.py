@@ -153,3 +153,9 @@ def sse_event(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(
         payload, separators=(",", ":"), ensure_ascii=False)
     return b"data: " + data.encode() + b"\n\n"
+
+
+def typed_event(payload: dict) -> bytes:
+    """One server-sent event that names its payload's type (Anthropic's Messages, OpenAI's
+    Responses)."""
+    return f"event: {payload['type']}\n".encode() + sse_event(payload)

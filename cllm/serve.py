@@ -70,6 +70,20 @@ OPTIONS = {
     "max_connections": (int, _SERVER.max_connections,
                         "open connections before new requests get 503 (keep under `ulimit -n`)"),
     "log_level": (str, "info", "debug, info, warning or error"),
+    # Scale-out on Ray Serve (pip install "cllm[ray]"; README.md, "Scale-out")
+    "replicas": (int, 0, "engines behind this endpoint, on Ray Serve (0: this process alone)"),
+    "ray_address": (str, None, "join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of "
+                    "starting a local one"),
+    "min_replicas": (int, None, "autoscale from this many replicas (with --max-replicas)"),
+    "max_replicas": (int, None, "autoscale up to this many replicas"),
+    "target_ongoing_requests": (float, None, "requests per replica the autoscaler aims at "
+                                "[--parallel]"),
+    "max_ongoing_requests": (int, None, "requests a replica takes at once; more wait in Ray's "
+                             "router [2 x --parallel]"),
+    "routing": (str, "prefix", "prefix: a conversation's or a prompt prefix's requests go to "
+                "one replica, within a load bound; random: Ray's power of two choices"),
+    "gpus_per_replica": (float, None, "GPUs each replica takes [1 if the cluster has GPUs, "
+                         "else 0]"),
 }
 
 
@@ -155,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"cllm: error: {exc}", file=sys.stderr)
         return 2
+    if options["replicas"] or options["ray_address"] or options["max_replicas"]:
+        try:
+            from cllm.cluster import serve_on_ray  # Ray is an extra: imported when asked for
+        except ModuleNotFoundError as exc:
+            print(f"cllm: error: --replicas and --ray-address need Ray ({exc}): "
+                  "pip install 'cllm[ray]'", file=sys.stderr)
+            return 2
+        return serve_on_ray(config, options)
     return serve(config, model_path)
 
 
@@ -249,20 +271,28 @@ def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
     return HeaderDeadlineProtocol
 
 
+def app_for(config: ServerConfig, model_path: Path | None = None, on_load_failure=None):
+    """The server's app for `config` (server.create_app), its model loading once it starts;
+    the model is resolved here unless given. Ray's replicas (scaleout.py) build theirs so."""
+    if model_path is None:
+        model_path = resolve_model(config.engine.model)
+        check_model_file(model_path)
+    from cllm.engine import Engine  # loads llama.cpp: after the arguments are known good
+    from cllm.server import create_app
+    return create_app(config, lambda: Engine(config.engine, str(model_path)),
+                      model_name=served_name(config, model_path), on_load_failure=on_load_failure)
+
+
 def serve(config: ServerConfig, model_path: Path) -> int:
     mode = apply_cpu_wait(config.engine.cpu_wait, config.engine.n_threads)
     logging.getLogger("cllm.serve").info("CPU threads wait by: %s", mode)
-    from cllm.engine import Engine  # loads llama.cpp: after the arguments are known good
-    from cllm.server import create_app
-
     load_failures: list[BaseException] = []
 
     def on_load_failure(exc: BaseException) -> None:
         load_failures.append(exc)
         server.should_exit = True
 
-    app = create_app(config, lambda: Engine(config.engine, str(model_path)),
-                     model_name=served_name(config, model_path), on_load_failure=on_load_failure)
+    app = app_for(config, model_path, on_load_failure)
     # uvicorn's own deadline is a backstop: at shutdown_grace the requests get their 503s.
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, access_log=False, log_config=None,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -115,15 +116,19 @@ class AppState:
 # ---- plumbing shared by the routes ----
 
 async def read_json(request: Request, config: ServerConfig) -> dict:
-    """The body as a JSON object, read within config.client_timeout: a client that stalls
-    mid-body gets a 408 and its connection closed rather than holding it."""
+    """The body as a JSON object (read_body's limits)."""
+    return api.parse_json_body(await read_body(request, config), config.max_body_bytes)
+
+
+async def read_body(request: Request, config: ServerConfig) -> bytes:
+    """The body, read within config.client_timeout: a client that stalls mid-body gets a 408
+    and its connection closed rather than holding it; one over max_body_bytes gets a 413."""
     try:
-        raw = await asyncio.wait_for(_read_body(request, config.max_body_bytes),
-                                     config.client_timeout)
+        return await asyncio.wait_for(_read_body(request, config.max_body_bytes),
+                                      config.client_timeout)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {config.client_timeout:g} s",
                        code="body_timeout", headers={"Connection": "close"}) from None
-    return api.parse_json_body(raw, config.max_body_bytes)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -381,7 +386,7 @@ async def metrics(request: Request, state: AppState) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _error_shape(path: str):
+def error_shape(path: str):
     """The error body of a route: /generate keeps the original API's, /v1/messages has
     Anthropic's."""
     return {"/generate": GenerateFormat.error_body_of,
@@ -408,7 +413,7 @@ class APIKeyMiddleware:
             if not (bearer_ok or key_ok):
                 error = APIError(401, "missing or wrong API key", type="authentication_error",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error_response(error, _error_shape(scope["path"]))(scope, receive, send)
+                await error_response(error, error_shape(scope["path"]))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -431,7 +436,7 @@ class HostCheckMiddleware:
                 dict(scope["headers"]).get(b"host", b"").decode("latin-1")) not in self.allowed:
             error = APIError(400, "the Host header names neither this server's address nor "
                              "localhost (set an API key to serve other names)", code="invalid_host")
-            await error_response(error, _error_shape(scope["path"]))(scope, receive, send)
+            await error_response(error, error_shape(scope["path"]))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -480,13 +485,22 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         post("/v1/responses", openai_responses.create_response),
         post("/v1/messages", anthropic.create_message, error_body=anthropic_error),
         get("/", webui.page), get("/ui/{name}", webui.asset), get("/status", webui.status),
-    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
-                           public_paths=frozenset({"/health"}) | webui.PUBLIC_PATHS)
-    elif config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
-        app.add_middleware(HostCheckMiddleware, bound_host=config.host)
+    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan,
+        middleware=access_checks(config))
     return app
+
+
+def access_checks(config: ServerConfig) -> list[Middleware]:
+    """Who may call the server: the API key's holders, or without a key, clients that name its
+    address (scaleout.py guards its own routes with these too)."""
+    from cllm import webui
+
+    if config.api_key:
+        return [Middleware(APIKeyMiddleware, api_key=config.api_key,
+                           public_paths=frozenset({"/health"}) | webui.PUBLIC_PATHS)]
+    if config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
+        return [Middleware(HostCheckMiddleware, bound_host=config.host)]
+    return []
 
 
 def _load(state: AppState, engine_factory, on_load_failure) -> None:

@@ -2,8 +2,9 @@
 
 The server runs the working tree's Python code. Its native extension (`cllm/_core*.so`) comes
 from the working tree when it was built in place, else from the installed package: the child
-then extends the `cllm` package path with the installed copy's directory, so only `_core` is
-found there, and runs `cllm.serve` as `python -m` would."""
+then extends the `cllm` package path with the installed copy's directory (CLLM_PACKAGE_PATH,
+which the processes it starts inherit), so only `_core` is found there, and runs `cllm.serve`
+as `python -m` would."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -22,7 +23,7 @@ from cllm.bench.servers import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 # `python -m cllm.serve`, with the installed package's directory behind the working tree's.
-_LAUNCHER = ("import runpy, sys, cllm; cllm.__path__.append(sys.argv.pop(1)); "
+_LAUNCHER = ("import os, runpy, sys; os.environ['CLLM_PACKAGE_PATH'] = sys.argv.pop(1); "
              "runpy.run_module('cllm.serve', run_name='__main__', alter_sys=True)")
 
 

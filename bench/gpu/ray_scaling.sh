@@ -1,0 +1,147 @@
+#!/bin/bash
+# Scale-out on Ray Serve (issue 16), measured on the GPU machine: one cllm replica per GPU.
+#
+# Run from the repository root on the device, after the CUDA build (.device/exp/both-build.sh,
+# then .device/exp/join.sh: cllm in the system site, the wheels in $W/site, the model in
+# $W/cache), one phase per call, chained while the machine is warm:
+#   bash bench/gpu/ray_scaling.sh stage              carry .device/ray/r1  (Ray's wheels, half 1)
+#   bash bench/gpu/ray_scaling.sh install            carry .device/ray/r2  (half 2, installs)
+#   bash bench/gpu/ray_scaling.sh throughput [GPUS]  1..GPUS replicas at saturating concurrency
+#   bash bench/gpu/ray_scaling.sh prefix             2 replicas: prefix-aware vs random routing
+#   bash bench/gpu/ray_scaling.sh proxy              the plain server vs Ray, one stream
+# GPUS defaults to the GPUs nvidia-smi lists. JSON (and each server's log) go to $OUT.
+# A CPU trial of the same path (SITE: the PYTHONPATH where cllm and Ray are, CACHE: the models):
+#   SITE=... CACHE=~/.cache/cllm GPUS=2 SERVE_ARGS="--threads 1 --ctx-size 4096 --parallel 4"
+#   PER_REPLICA=4 MAX_TOKENS=8 REQUESTS_PER=2 bash bench/gpu/ray_scaling.sh throughput
+set -u
+PHASE=${1:?phase: stage, install, throughput, prefix or proxy}
+W=${W:-/root/w}
+GPUS=${2:-${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}}
+OUT=${OUT:-/tmp/ray-scaling}
+PY=${PY:-python3}
+SERVE_ARGS=${SERVE_ARGS:---parallel 64 --ctx-size 65536 --flash-attn on}
+PER_REPLICA=${PER_REPLICA:-64}   # concurrency that saturates one replica (its --parallel)
+MAX_TOKENS=${MAX_TOKENS:-128}
+REQUESTS_PER=${REQUESTS_PER:-4}  # requests per level, per concurrent stream
+RAY_WHEEL=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+RAY_SHA256=b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a
+export CLLM_CACHE_DIR=${CACHE:-$W/cache} PYTHONPATH=${SITE:-$W/site}
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+mkdir -p "$OUT"
+SERVER_PIDS=()
+
+free_port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+
+# start NAME ARGS...: `python -m cllm.serve` in its own session, from /tmp (the source tree has
+# no built extension); sets URL and PID once /health answers.
+start() {
+  local name=$1; shift
+  local port; port=$(free_port)
+  (cd /tmp && exec setsid $PY -m cllm.serve --port "$port" $SERVE_ARGS "$@" > "$OUT/$name.log" 2>&1) &
+  PID=$!; URL=http://127.0.0.1:$port; SERVER_PIDS+=("$PID")
+  local t0; t0=$(date +%s)
+  until $PY -c "import urllib.request as u; u.urlopen('$URL/health', timeout=2)" 2>/dev/null; do
+    if ! kill -0 "$PID" 2>/dev/null || [ $(( $(date +%s) - t0 )) -gt 240 ]; then
+      echo "$name did not start:"; tail -20 "$OUT/$name.log"; return 1
+    fi
+    sleep 1
+  done
+  echo "$name ready in $(( $(date +%s) - t0 )) s at $URL"
+}
+
+# stop PID: SIGTERM to the server process alone (not its group: Ray's own processes must be left
+# to its shutdown); what is left after 90 s is ended, Ray's with `ray stop` (this machine runs
+# nothing else of Ray).
+stop() {
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 90); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  if kill -0 "$1" 2>/dev/null; then
+    echo "server $1 still up after 90 s: killing it and Ray"
+    kill -KILL "$1"; $PY -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  fi
+}
+trap 'for p in "${SERVER_PIDS[@]}"; do stop "$p"; done' EXIT
+
+# bench TAG ARGS...: cllm.bench against $URL (more --url in ARGS), its table's last lines.
+bench() {
+  local tag=$1; shift
+  $PY -m cllm.bench --url "$URL" "$@" --tag "$tag" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -6
+}
+
+summary() {  # one line per server and level of this phase's JSON files
+  $PY - "$OUT" "$@" <<'EOF'
+import json, sys, pathlib
+for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
+    d = json.loads(path.read_text())
+    if not any(d["tag"].startswith(p) for p in sys.argv[2:]):
+        continue
+    for r in d["runs"]:
+        m = r["metrics"]
+        print(f"{d['tag']:<28} {r['server']:<24} c={r['concurrency']:<4} "
+              f"{m['output_throughput']:9.1f} tok/s  TTFT p50 {m['ttft_ms']['p50']:8.2f} ms  "
+              f"p90 {m['ttft_ms']['p90']:8.2f} ms  failed {m['failed']}")
+EOF
+}
+
+case $PHASE in
+stage)  # the first half of Ray's wheels, kept in $W for the next call
+  mkdir -p "$W/ray" && cp .device/ray/r1/* "$W/ray/" && ls "$W/ray" | wc -l
+  ;;
+install)
+  cp .device/ray/r2/* "$W/ray/" || exit 1
+  cat "$W/ray/ray.whl.part00" "$W/ray/ray.whl.part01" > "$W/ray/$RAY_WHEEL"
+  echo "$RAY_SHA256  $W/ray/$RAY_WHEEL" | sha256sum -c || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$W/site" "$W"/ray/*.whl || exit 1
+  (cd /tmp && $PY -c "import ray, ray.serve, cllm._core; print('ray', ray.__version__)")
+  ;;
+throughput)  # tokens/s at saturating concurrency: the plain server, then Ray with 1..GPUS
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+  C=$PER_REPLICA
+  CUDA_VISIBLE_DEVICES=0 start plain || exit 1  # one card, as a replica has (not split)
+  bench plain-c$C --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
+        --prompt-tokens 128 --max-tokens $MAX_TOKENS
+  stop "$PID"
+  for R in $(seq 1 "$GPUS"); do
+    C=$((PER_REPLICA * R))
+    start ray-r$R --replicas $R || exit 1
+    bench ray-r$R-c$C --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
+          --prompt-tokens 128 --max-tokens $MAX_TOKENS
+    stop "$PID"
+  done
+  summary plain- ray-r
+  ;;
+prefix)  # shared-prefix and multi-turn on 2 replicas, each routing on fresh caches
+  SHARE=(); [ "$GPUS" = 1 ] && SHARE=(--gpus-per-replica 0.5)  # one card: both on it
+  for routing in prefix random; do
+    start sp-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
+    bench sp-$routing --workload shared-prefix --concurrency $((PER_REPLICA / 2)) \
+          --requests $((PER_REPLICA * REQUESTS_PER / 2)) --warmup 0 --max-tokens 32
+    stop "$PID"
+    start mt-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
+    bench mt-$routing --workload multi-turn --turns 6 --concurrency $((PER_REPLICA / 2)) \
+          --requests $((PER_REPLICA * REQUESTS_PER)) --warmup 0 --max-tokens 48
+    stop "$PID"
+  done
+  summary sp- mt-
+  ;;
+proxy)  # TTFT at one stream, the plain server and Ray (1 replica) measured in turn
+  if [ "$GPUS" -ge 2 ]; then  # side by side on two identical cards
+    CUDA_VISIBLE_DEVICES=0 start plain1 || exit 1; PLAIN=$URL; PLAIN_PID=$PID
+    CUDA_VISIBLE_DEVICES=1 start ray1 --replicas 1 || exit 1
+    echo "plain server: $PLAIN, Ray: $URL"
+    bench proxy-c1 --url "$PLAIN" --concurrency 1 --requests 64 --warmup 8 --max-tokens 16
+    stop "$PID"; stop "$PLAIN_PID"
+  else  # one card: one after the other
+    export CUDA_VISIBLE_DEVICES=0
+    start plain1 || exit 1
+    bench proxy-plain-c1 --concurrency 1 --requests 64 --warmup 8 --max-tokens 16
+    stop "$PID"
+    start ray1 --replicas 1 || exit 1
+    bench proxy-ray-c1 --concurrency 1 --requests 64 --warmup 8 --max-tokens 16
+    stop "$PID"
+  fi
+  summary proxy-
+  ;;
+*) echo "unknown phase $PHASE"; exit 2 ;;
+esac
