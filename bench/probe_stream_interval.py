@@ -4,7 +4,9 @@ Starts `python -m cllm.serve` once per interval, streams the same greedy complet
 at a fixed concurrency, and reads the CPU time of the server's main thread, which runs the event
 loop (routes, the SSE writer, uvicorn), from /proc before and after. The tokens are the same at
 every interval, so the difference between intervals is the events' cost: the probe fits
-CPU = a · tokens + b · events and prints b, the event loop's time per event, beside tokens/s.
+CPU = a · tokens + b · events and prints b, the event loop's time per event, beside tokens/s
+(as this client sees them: it parses every event too, so at small intervals its own CPU may
+limit them; the event loop's CPU is the server's alone).
 On a GPU the engine makes `--decode-steps` tokens a call, so pass the same here to split the
 same runs into events, e.g.:
 
