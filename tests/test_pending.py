@@ -98,7 +98,8 @@ ROUTES = {
     "/v1/completions": (
         {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "return_token_ids": True, **GREEDY},
         lambda r: r["choices"][0]["text"],
-        lambda e: (e["choices"][0]["text"], e["choices"][0]["token_ids"]) if e["choices"] else None),
+        lambda e: ((e["choices"][0]["text"], e["choices"][0]["token_ids"])
+                   if e["choices"] else None)),
     "/v1/chat/completions": (
         {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "return_token_ids": True, **GREEDY},
         lambda r: r["choices"][0]["message"]["content"],

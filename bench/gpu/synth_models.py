@@ -157,7 +157,8 @@ def tensor_shapes(a: Arch) -> dict[str, tuple[int, ...]]:
         if a.qkv_bias:
             shapes |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
         shapes |= {b + "attn_output.weight": (a.n_embd, q), b + "ffn_norm.weight": (a.n_embd,),
-                   b + "ffn_gate.weight": (a.n_ff, a.n_embd), b + "ffn_up.weight": (a.n_ff, a.n_embd),
+                   b + "ffn_gate.weight": (a.n_ff, a.n_embd),
+                   b + "ffn_up.weight": (a.n_ff, a.n_embd),
                    b + "ffn_down.weight": (a.n_embd, a.n_ff)}
     shapes["output_norm.weight"] = (a.n_embd,)
     if not a.tied:
@@ -192,7 +193,8 @@ def llama3_rope_factors(a: Arch) -> np.ndarray:
 CHUNK = 1 << 24  # values one thread draws at a time
 
 
-def random_f16(shape: tuple[int, ...], seed: tuple[int, ...], pool: ThreadPoolExecutor) -> np.ndarray:
+def random_f16(shape: tuple[int, ...], seed: tuple[int, ...],
+               pool: ThreadPoolExecutor) -> np.ndarray:
     """Normal values with std 0.02 in F16, drawn in chunks over the pool's threads (numpy's
     generators release the GIL); each chunk's stream is fixed by `seed` and its index."""
     out = np.empty(math.prod(shape), dtype=np.float16)
