@@ -126,12 +126,17 @@ class ServerConfig:
     client_timeout: float = 30.0  # seconds a client may take to send a request's headers, or body
     max_connections: int = 1000  # open connections (and requests) before uvicorn answers 503
     log_requests: bool = True
+    # Tokens a streamed event carries at most (vLLM's --stream-interval): the first token goes
+    # at once, then every `stream_interval` tokens (cllm/pending.py; README has the measurements).
+    stream_interval: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         for name in ("template_timeout", "client_timeout", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 
 
 CPU_WAIT_MODES = ("auto", "spin", "sleep")

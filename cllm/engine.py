@@ -13,13 +13,14 @@ import time
 from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cllm import _core, structured
 from cllm.config import EngineConfig, SamplingParams, usable_cores
 from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
 from cllm.batch import RunRows, StepRows
+from cllm.pending import PendingTokens
 from cllm.steptimer import StepTimer
 from cllm.textstream import TextStream
 
@@ -61,8 +62,10 @@ class RequestStream:
     """An async iterator of Deltas for one sequence. Leaving it early aborts the sequence."""
 
     def __init__(self, engine: Engine, seq: Sequence,
-                 on_end: Callable[[Delta], None] | None = None) -> None:
+                 on_end: Callable[[Delta], None] | None = None,
+                 stream_interval: int | None = None) -> None:
         self.seq = seq
+        self.stream_interval = stream_interval
         self._engine = engine
         self._on_end = on_end
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
@@ -147,9 +150,11 @@ class Engine:
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                request_id: str | None = None,
                on_end: Callable[[Delta], None] | None = None,
-               cache_prompt: bool = True) -> RequestStream:
+               cache_prompt: bool = True, stream_interval: int | None = None) -> RequestStream:
         """Queue a generation; must be called from a running event loop, on which `on_end` gets
         the final delta. `cache_prompt=False` computes the whole prompt, whatever is cached.
+        `stream_interval` N: each delta carries at most N tokens, the first token at once, then
+        N at a time (cllm/pending.py); None: each step's tokens in one delta.
         Raises PromptTooLongError (the prompt does not fit the context) and EngineStoppedError
         (shutting down, or the engine failed)."""
         if self._stopping or self.failure:
@@ -163,7 +168,7 @@ class Engine:
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
                        arrival_time=now, deadline=now + self.config.request_timeout,
                        cache_prompt=cache_prompt)
-        stream = RequestStream(self, seq, on_end)
+        stream = RequestStream(self, seq, on_end, stream_interval)
         self._post(("add", stream))
         return stream
 
@@ -258,7 +263,8 @@ class Engine:
             return
         grammar = seq.sampling.grammar
         self._live[seq] = _Live(stream, TextStream(seq.sampling.stop),
-                                logprobs=[] if seq.sampling.logprobs is not None else None,
+                                PendingTokens(stream.stream_interval,
+                                              logprobs=seq.sampling.logprobs is not None),
                                 matcher=grammar.matcher() if grammar is not None else None)
 
     def _step(self) -> None:
@@ -268,7 +274,7 @@ class Engine:
         out = self.scheduler.schedule(now)
         outbox = _Outbox()
         for seq in out.expired:
-            self._send_final(seq, "", outbox)
+            self._send_final(seq, outbox)
         self._prepare_sequences(out)
         if not out.chunks:
             outbox.deliver()
@@ -463,49 +469,53 @@ class Engine:
                 seq = out.chunks[i].seq
                 if seq.sampling.logprobs is not None:
                     chosen, top = logprobs.row(i)
-                    self._live[seq].logprobs.append(
+                    self._live[seq].pending.logprobs.append(
                         TokenLogprob(seq.output_token_ids[-1], chosen, top))
         return got
 
     def _emit(self, out: SchedulerOutput, got, now: float, outbox: _Outbox) -> None:
-        """One delta per sequence that got tokens: their text, held back at a stop string."""
+        """The tokens each sequence got and their text (held back at a stop string), sent in
+        the deltas its stream interval makes due."""
         for i, kept in got:
             seq = out.chunks[i].seq
             live = self._live[seq]
             new_tokens = seq.output_token_ids[-kept:]
-            text, used = self._text_of(live.text, new_tokens)
-            if used < len(new_tokens):  # a stop string ended it inside a decode run
-                self.scheduler.drop_last_tokens(seq, len(new_tokens) - used)
-                new_tokens = new_tokens[:used]
+            texts = self._texts_of(live.text, new_tokens)
+            if len(texts) < len(new_tokens):  # a stop string ended it inside a decode run
+                self.scheduler.drop_last_tokens(seq, len(new_tokens) - len(texts))
+                new_tokens = new_tokens[:len(texts)]
             self.tokens_generated += len(new_tokens)
-            live.pending += new_tokens
+            live.pending.add(new_tokens, texts)
             if live.text.stopped:
                 self.scheduler.finish(seq, FINISH_STOP, now)
             if seq.is_finished:
-                self._send_final(seq, text, outbox)
+                self._send_final(seq, outbox)
             else:
-                outbox.add(live.stream, Delta(text, live.pending, live.take_logprobs()))
-                live.pending = []
+                for group in live.pending.due():
+                    outbox.add(live.stream, Delta(*group))
 
-    def _text_of(self, text: TextStream, tokens: list[int]) -> tuple[str, int]:
-        """The text `tokens` add, and how many of them count: up to the one that completes a
-        stop string, if one does."""
-        parts = []
-        for used, token in enumerate(tokens, 1):
-            parts.append(text.feed(self.model.token_to_piece(token)))
+    def _texts_of(self, text: TextStream, tokens: list[int]) -> list[str]:
+        """The text each of `tokens` adds, up to the one that completes a stop string, if one
+        does: the tokens after it do not count."""
+        texts = []
+        for token in tokens:
+            texts.append(text.feed(self.model.token_to_piece(token)))
             if text.stopped:
-                return "".join(parts), used
-        return "".join(parts), len(tokens)
+                break
+        return texts
 
     def _end(self, seq: Sequence, reason: str, error: str | None, outbox: _Outbox) -> None:
         self.scheduler.finish(seq, reason, time.monotonic(), error)
-        self._send_final(seq, "", outbox)
+        self._send_final(seq, outbox)
 
-    def _send_final(self, seq: Sequence, text: str, outbox: _Outbox) -> None:
+    def _send_final(self, seq: Sequence, outbox: _Outbox) -> None:
+        """What is pending, in the deltas of the stream interval; the last one final."""
         live = self._live.pop(seq)
-        text += live.text.flush()
+        *groups, last = live.pending.rest(live.text.flush())
+        for group in groups:
+            outbox.add(live.stream, Delta(*group))
         outbox.add(live.stream, Delta(
-            text, live.pending, live.take_logprobs(), finish_reason=seq.finish_reason,
+            *last, finish_reason=seq.finish_reason,
             error=seq.error, prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens, completion_tokens=seq.num_output_tokens, timings=seq.timings()))
 
@@ -549,16 +559,11 @@ class _Live:
     """Engine-thread state of one admitted request."""
     stream: RequestStream
     text: TextStream
-    pending: list[int] = field(default_factory=list)  # token ids not yet delivered
-    logprobs: list[TokenLogprob] | None = None
+    pending: PendingTokens  # tokens not yet delivered, with their text and logprobs
     sampler: object | None = None  # its parked sampler while it is preempted
     # Its grammar's state (llguidance.LLMatcher), at the tokens generated so far; it lives here,
     # not in the core, so preemption leaves it as it is.
     matcher: object | None = None
-
-    def take_logprobs(self) -> list[TokenLogprob] | None:
-        taken, self.logprobs = self.logprobs, ([] if self.logprobs is not None else None)
-        return taken
 
 
 class _Outbox:

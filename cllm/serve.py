@@ -61,6 +61,9 @@ OPTIONS = {
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
     "decode_steps": (int, _ENGINE.decode_steps,
                      "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
+    "stream_interval": (int, _SERVER.stream_interval,
+                        "tokens a streamed event carries at most: the first token at once, then "
+                        "this many at a time"),
     "max_body_bytes": (int, _SERVER.max_body_bytes, "largest request body (413 above)"),
     "shutdown_grace": (float, _SERVER.shutdown_grace, "seconds in-flight requests get on SIGTERM"),
     "template_timeout": (float, _SERVER.template_timeout,
@@ -138,7 +141,8 @@ def build_config(options: dict) -> ServerConfig:
                         shutdown_grace=options["shutdown_grace"],
                         template_timeout=options["template_timeout"],
                         client_timeout=options["client_timeout"],
-                        max_connections=options["max_connections"], engine=engine)
+                        max_connections=options["max_connections"],
+                        stream_interval=options["stream_interval"], engine=engine)
 
 
 def _api_key(options: dict) -> str | None:

@@ -216,10 +216,13 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
         raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
     streams = []
+    # A whole response reads only the sum of the deltas: they may come as the engine makes them.
+    interval = state.config.stream_interval if stream else None
     try:
         for i in range(n):
             streams.append(engine.submit(prompt, sampling.for_choice(i), f"{fmt.request_id}-{i}",
-                                         on_end=state.sequence_ended, cache_prompt=cache_prompt))
+                                         on_end=state.sequence_ended, cache_prompt=cache_prompt,
+                                         stream_interval=interval))
     except BaseException as exc:  # nothing submitted may decode on with nobody reading it
         for s in streams:
             s.abort()

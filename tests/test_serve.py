@@ -16,9 +16,11 @@ from server_process import ServerProcess
 
 def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):
     toml = tmp_path / "cllm.toml"
-    toml.write_text("decode-steps = 4\nparallel = 6\n")
+    toml.write_text("decode-steps = 4\nparallel = 6\nstream-interval = 3\n")
     assert serve.build_config(serve.parse_args([])).engine.decode_steps == EngineConfig().decode_steps
-    from_file = serve.build_config(serve.parse_args(["--config", str(toml)])).engine
+    from_file = serve.build_config(serve.parse_args(["--config", str(toml)]))
+    assert from_file.stream_interval == 3
+    from_file = from_file.engine
     assert from_file.decode_steps == 4 and from_file.n_parallel == 6
     monkeypatch.setenv("CLLM_DECODE_STEPS", "3")
     assert serve.build_config(serve.parse_args(["--config", str(toml)])).engine.decode_steps == 3
@@ -31,6 +33,7 @@ def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):
     (["--flash-attn", "sometimes"], "flash_attn must be auto, on or off"),
     (["--request-timeout", "0"], "request_timeout must be positive"),
     (["--cpu-wait", "yield"], "cpu_wait must be one of auto, spin, sleep"),
+    (["--stream-interval", "0"], "stream_interval must be at least 1"),
 ])
 def test_bad_values_exit_2_with_the_reason(argv, reason, capsys):
     assert serve.main(argv) == 2

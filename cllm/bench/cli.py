@@ -12,6 +12,7 @@ from .stats import SLO_METRICS
 from .workloads import MIXED_TOKENS, WORKLOADS
 
 PEERS = ("llama-server",)
+PEER_KV_LAYOUTS = ("split", "unified")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,9 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                               f"{ENGINE_DEFAULTS.n_ubatch})")
     started.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto")
     started.add_argument("--n-gpu-layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers)
-    started.add_argument("--peer-kv-unified", action=argparse.BooleanOptionalAction,
-                         help="llama-server's KV layout when it is not cllm's (its fastest "
-                              "may differ)")
+    started.add_argument("--peer-kv", choices=PEER_KV_LAYOUTS, nargs="+",
+                         help="llama-server's KV layout when it is not cllm's (its fastest may "
+                              "differ); both `split unified`: one llama-server of each, measured "
+                              "as llama-server-split and llama-server-unified")
+    started.add_argument("--cllm-args", type=shlex.split, default=[],
+                         help="more cllm.serve flags, one quoted string (e.g. "
+                              "'--stream-interval 4')")
     started.add_argument("--peer-args", type=shlex.split, default=[],
                          help="more llama-server flags, one quoted string (e.g. '-bs': the peer "
                               "at its best)")
@@ -123,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("nothing to measure: give --url, --cllm, --peer or --engine-direct")
     _check_workload(parser, args)
     args.concurrency = sorted(set(args.concurrency))
+    if args.peer_kv:
+        args.peer_kv = list(dict.fromkeys(args.peer_kv))  # each layout once, in order
     args.levels = _levels(parser, args)
     args.goodput = dict(args.goodput) if args.goodput else None
     if args.parallel is None:
@@ -178,7 +185,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           ubatch_size=args.ubatch_size or min(args.batch_size,
                                                               ENGINE_DEFAULTS.n_ubatch),
                           flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers,
-                          peer_args=tuple(args.peer_args), peer_kv_unified=args.peer_kv_unified)
+                          peer_args=tuple(args.peer_args), cllm_args=tuple(args.cllm_args))
 
 
 def _kv_unified(asked: bool | None) -> bool:

@@ -95,6 +95,22 @@ class RequestResult:
         return self.end - self.start
 
     @property
+    def events(self) -> int:
+        """Streamed events that carried output."""
+        return len(self.itl) + 1 if self.ttft is not None and self.streamed else 0
+
+    @property
+    def token_gaps(self) -> list[float]:
+        """Inter-token latency per token: each gap between events over the tokens its event
+        carried. A stream does not say how many each carries, so the tokens after the first
+        event (usage's count less one) are spread evenly over the later events; their mean is
+        then the TPOT up to the last event."""
+        if not self.itl or self.output_tokens < 2:
+            return []
+        per_event = (self.output_tokens - 1) / len(self.itl)
+        return [gap / per_event for gap in self.itl]
+
+    @property
     def tpot(self) -> float | None:
         """Time per output token after the first; only a streamed response shows the first."""
         if not self.streamed or self.ttft is None or self.output_tokens < 2:

@@ -135,10 +135,10 @@ def _peer_kv_unified(s: ServerSettings) -> bool:
     return s.kv_unified if s.peer_kv_unified is None else s.peer_kv_unified
 
 
-def start_peer(model: Path, s: ServerSettings, log_dir: Path) -> StartedServer:
+def start_peer(model: Path, s: ServerSettings, log_dir: Path,
+               name: str = "llama-server") -> StartedServer:
     binary = build()["llama-server"]
-    return start_process("llama-server", lambda port: server_command(binary, model, port, s),
-                         log_dir)
+    return start_process(name, lambda port: server_command(binary, model, port, s), log_dir)
 
 
 if __name__ == "__main__":

@@ -103,10 +103,11 @@ def header(report: dict) -> str:
             f"{goodput}")
 
 
-_COLUMNS = (("server", 13, "{}"), ("level", 12, "{}"), ("ok", 4, "{}"), ("fail", 4, "{}"),
+_COLUMNS = (("server", 20, "{}"), ("level", 12, "{}"), ("ok", 4, "{}"), ("fail", 4, "{}"),
             ("wall s", 7, "{:.1f}"), ("tok/s", 8, "{:.1f}"), ("req/s", 6, "{:.2f}"),
             ("ttft p50", 9, "{:.1f}"), ("ttft p90", 9, "{:.1f}"), ("ttft p99", 9, "{:.1f}"),
-            ("tpot p50", 9, "{:.2f}"), ("itl p50", 8, "{:.2f}"), ("e2el p50", 9, "{:.0f}"),
+            ("tpot p50", 9, "{:.2f}"), ("itl p50", 8, "{:.2f}"), ("itl/t p50", 9, "{:.2f}"),
+            ("tok/ev", 6, "{:.1f}"), ("e2el p50", 9, "{:.0f}"),
             ("good/s", 7, "{:.2f}"), ("cached", 7, "{:.1%}"))
 
 
@@ -125,7 +126,9 @@ def table(runs: list[dict]) -> str:
         values = (run["server"], level_label(run), m["completed"], m["failed"],
                   m["duration_s"], m["output_throughput"], m["request_throughput"],
                   m["ttft_ms"]["p50"], m["ttft_ms"].get("p90"), m["ttft_ms"]["p99"],
-                  m["tpot_ms"]["p50"], m["itl_ms"]["p50"], m["e2el_ms"]["p50"],
+                  m["tpot_ms"]["p50"], m["itl_ms"]["p50"],
+                  (m.get("itl_token_ms") or {}).get("p50"), m.get("tokens_per_event"),
+                  m["e2el_ms"]["p50"],
                   (m.get("goodput") or {}).get("request_goodput"), m.get("cached_share"))
         lines.append(" ".join(f"{_cell(fmt, v):>{width}}"
                               for (_, width, fmt), v in zip(_COLUMNS, values)))

@@ -28,6 +28,7 @@ class ServerSettings:
     flash_attn: str = ENGINE_DEFAULTS.flash_attn
     n_gpu_layers: int = ENGINE_DEFAULTS.n_gpu_layers
     peer_args: tuple[str, ...] = ()  # llama-server only: e.g. its backend sampling, -bs
+    cllm_args: tuple[str, ...] = ()  # cllm only: e.g. --stream-interval 4
     peer_kv_unified: bool | None = None  # llama-server's layout, if not cllm's
 
 
@@ -111,7 +112,7 @@ def cllm_command(model: str, port: int, s: ServerSettings) -> list[str]:
             "--kv-unified" if s.kv_unified else "--no-kv-unified",
             "--batch-size", str(s.batch_size), "--ubatch-size", str(s.ubatch_size),
             "--threads", str(s.threads),
-            "--n-gpu-layers", str(s.n_gpu_layers), "--flash-attn", s.flash_attn]
+            "--n-gpu-layers", str(s.n_gpu_layers), "--flash-attn", s.flash_attn, *s.cllm_args]
 
 
 def start_cllm(model: str, s: ServerSettings, log_dir: Path) -> StartedServer:

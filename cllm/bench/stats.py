@@ -1,7 +1,9 @@
 """The figures `vllm bench serve` reports, computed from one level's RequestResults.
 
 TTFT, TPOT and end-to-end latency are per request; ITL pools every gap between text chunks
-of every request, as vLLM does. Milliseconds throughout, except throughput and duration.
+(SSE events) of every request, as vLLM does; ITL per token divides each gap by the tokens its
+event carried (RequestResult.token_gaps), and tokens per event says how many that is.
+Milliseconds throughout, except throughput and duration.
 Beyond vLLM's: the share of prompt tokens the servers took from their cache, and for
 conversations the figures of each turn."""
 from __future__ import annotations
@@ -77,12 +79,22 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": distribution([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": distribution([gap for r in ok for gap in r.itl]),
+        "itl_token_ms": distribution([gap for r in ok for gap in r.token_gaps]),
+        "tokens_per_event": tokens_per_event(ok),
         "e2el_ms": distribution([r.latency for r in ok]),
         "finish_reasons": dict(Counter(str(r.finish_reason) for r in ok)),
         "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
         "cached_share": cached_share(ok),
         **({"goodput": goodput(ok, len(results), duration, slo)} if slo else {}),
     }
+
+
+def tokens_per_event(results: Sequence[RequestResult]) -> float | None:
+    """Output tokens over the streamed events that carried them; None when nothing was
+    streamed."""
+    streamed = [r for r in results if r.events]
+    events = sum(r.events for r in streamed)
+    return sum(r.output_tokens for r in streamed) / events if events else None
 
 
 def cached_share(results: Sequence[RequestResult]) -> float | None:

@@ -1,4 +1,5 @@
 """Argument parsing and the llama-server command and build layout (nothing built)."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from cllm import _core
 from cllm.bench import peer
 from cllm.bench.cli import load_settings, parse_args, server_settings
+from cllm.bench.servers import cllm_command
 
 
 def test_defaults():
@@ -55,9 +57,18 @@ def test_peer_command_matches_cllm_settings():
     assert "--kv-unified" in peer.server_command(Path("/b"), Path("/m"), 1, s)
     best = server_settings(parse_args(["--peer", "llama-server", "--peer-args", "-bs -fa on"]))
     assert peer.server_command(Path("/b"), Path("/m"), 1, best)[-3:] == ["-bs", "-fa", "on"]
-    split_peer = server_settings(parse_args(["--peer", "llama-server", "--kv-unified",
-                                             "--no-peer-kv-unified"]))
+    args = parse_args(["--peer", "llama-server", "--kv-unified", "--peer-kv", "split"])
+    split_peer = dataclasses.replace(server_settings(args), peer_kv_unified=False)
     assert "--kv-unified" not in peer.server_command(Path("/b"), Path("/m"), 1, split_peer)
+    both = parse_args(["--peer", "llama-server", "--peer-kv", "split", "unified", "split"])
+    assert both.peer_kv == ["split", "unified"]
+
+
+def test_cllm_args_reach_cllm_only():
+    s = server_settings(parse_args(["--cllm", "--peer", "llama-server",
+                                    "--cllm-args", "--stream-interval 4"]))
+    assert cllm_command("m", 1, s)[-2:] == ["--stream-interval", "4"]
+    assert "--stream-interval" not in peer.server_command(Path("/b"), Path("/m"), 1, s)
 
 
 def test_build_dir_keyed_by_tree_and_cmake_args(monkeypatch, tmp_path):
@@ -92,7 +103,6 @@ def test_ui_stub_mirror(monkeypatch, tmp_path):
 
 def test_cllm_command_parses_as_cllm_serve():
     from cllm import serve
-    from cllm.bench.servers import cllm_command
     s = server_settings(parse_args(["--cllm", "--concurrency", "8", "--batch-size", "256",
                                     "--threads", "2", "--flash-attn", "off", "--kv-unified"]))
     cmd = cllm_command("smollm2-135m-instruct", 4321, s)

@@ -53,6 +53,23 @@ def test_summarize():
     assert m["finish_reasons"] == {"length": 2}
 
 
+def test_itl_per_event_and_per_token():
+    """Events of 4 tokens after a first one alone: the gap between events is 40 ms, 10 ms a
+    token; usage says 13 tokens."""
+    chunked = _result(0.0, 0.1, [0.04, 0.04, 0.04], 13)
+    single = _result(0.0, 0.1, [0.01] * 12, 13)
+    m = summarize([chunked], duration=1.0)
+    assert m["itl_ms"]["p50"] == pytest.approx(40.0)
+    assert m["itl_token_ms"]["p50"] == pytest.approx(10.0)
+    assert m["tokens_per_event"] == pytest.approx(13 / 4)
+    assert m["itl_token_ms"]["mean"] == pytest.approx(m["tpot_ms"]["mean"])
+    m = summarize([single], duration=1.0)
+    assert m["itl_ms"]["p50"] == m["itl_token_ms"]["p50"] == pytest.approx(10.0)
+    assert m["tokens_per_event"] == 1.0
+    whole = RequestResult(start=0, end=1, ttft=1, streamed=False, output_tokens=5)
+    assert summarize([whole], 1.0)["tokens_per_event"] is None
+
+
 def test_summarize_all_failed():
     m = summarize([RequestResult(error="x")], duration=0.0)
     assert m["completed"] == 0 and m["output_throughput"] == 0.0 and m["ttft_ms"]["p50"] is None
