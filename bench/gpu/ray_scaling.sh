@@ -65,7 +65,8 @@ trap 'for p in "${SERVER_PIDS[@]}"; do stop "$p"; done' EXIT
 # bench TAG ARGS...: cllm.bench against $URL (more --url in ARGS), its table's last lines.
 bench() {
   local tag=$1; shift
-  $PY -m cllm.bench --url "$URL" "$@" --tag "$tag" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -6
+  (cd /tmp && $PY -m cllm.bench --url "$URL" "$@" --tag "$tag" --out "$OUT") 2>&1 \
+      | grep -v "^\s*$" | tail -6  # from /tmp: the source tree has no built extension
 }
 
 summary() {  # one line per server and level of this phase's JSON files
