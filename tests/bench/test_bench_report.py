@@ -1,7 +1,6 @@
 """The JSON file, the table and the plot, from a report with synthetic runs."""
 import json
 
-import pytest
 
 from cllm.bench import report
 from cllm.bench.loadgen import RequestResult
@@ -85,7 +84,6 @@ def test_header_names_machine_and_workload():
 
 
 def test_plot_from_json(tmp_path):
-    pytest.importorskip("matplotlib")
     first = report.write(_report("a"), tmp_path)
     second = report.write(_report("b"), tmp_path)
     out = tmp_path / "both.png"
