@@ -1,7 +1,6 @@
 """The JSON file, the table and the plot, from a report with synthetic runs."""
 import json
 
-
 from cllm.bench import report
 from cllm.bench.loadgen import RequestResult
 from cllm.bench.stats import by_turn, summarize
