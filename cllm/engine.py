@@ -374,15 +374,13 @@ class Engine:
 
     def _step_with_masks(self, out: SchedulerOutput, rows: StepRows):
         mask_rows, masks = self._step_masks(out)
-        if masks is None:
-            return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
-                                 rows.tokens, rows.top_logprobs)
         try:
             return self.ctx.step(rows.seq_ids, rows.positions, rows.n_tokens, rows.sample,
-                                 rows.tokens, rows.top_logprobs, mask_rows, masks.data,
-                                 masks.ready)
+                                 rows.tokens, rows.top_logprobs, mask_rows,
+                                 masks.data if masks else None, masks.ready if masks else None)
         finally:
-            masks.wait()  # the buffer is the next step's
+            if masks is not None:
+                masks.wait()  # the buffer is the next step's
 
     def _step_each_alone(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
         """After a batch failed, decode its rows one by one, so that only the rows that fail on
@@ -440,16 +438,12 @@ class Engine:
         """Feed each constrained sequence's new token to its matcher; the sequence ends (stop)
         when its grammar is complete, so the output always matches unless it ran out of
         tokens."""
-        constrained = [seq for seq in (out.chunks[i].seq for i, _ in got)
-                       if self._live[seq].matcher is not None
-                       and not seq.is_finished]  # an end token or max_tokens ended it
-        if not constrained:
-            return
-        matchers = [self._live[seq].matcher for seq in constrained]
-        accepted = self._masks.consume([(matcher, seq.output_token_ids[-1])
-                                        for matcher, seq in zip(matchers, constrained)])
-        for seq, matcher, ok in zip(constrained, matchers, accepted):
-            if not ok:
+        for i, _ in got:  # in turn: llguidance's consume_token_par was slower (ARCHITECTURE.md)
+            seq = out.chunks[i].seq
+            matcher = self._live[seq].matcher
+            if matcher is None or seq.is_finished:  # an end token or max_tokens ended it
+                continue
+            if not matcher.consume_token(seq.output_token_ids[-1]):
                 self.scheduler.finish(seq, FINISH_ERROR, now,
                                       f"the grammar refused a token: {matcher.get_error()}")
             elif matcher.is_stopped():

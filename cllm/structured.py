@@ -134,8 +134,7 @@ class Masks:
 
 
 class MaskFiller:
-    """Each step's matcher work: the bitmasks before the decode (one per constrained row, `words`
-    uint32 words each) and the sampled tokens after it.
+    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each.
 
     `threads` > 1: llguidance's LLExecutor spreads the rows over a pool, worth it only where
     cores are spare (a GPU machine, where 64 rows in turn took about as long as the step):
@@ -165,12 +164,6 @@ class MaskFiller:
             return Masks(data)
         ready = array("i", [0])
         return Masks(data, ready, self._worker.submit(self._fill, matchers, ready))
-
-    @staticmethod
-    def consume(pairs: list[tuple[llguidance.LLMatcher, int]]) -> list[bool]:
-        """Feed each matcher its sampled token; whether each accepted it. In turn: the pool's
-        consume_token_par took 1.6 ms for 64 rows on the H100's host against 0.2 ms in turn."""
-        return [matcher.consume_token(token) for matcher, token in pairs]
 
     def close(self) -> None:
         if self._worker is not None:
