@@ -444,10 +444,19 @@ cdef class Context:
         if self.graph_chains[seq_id] is not NULL:  # no longer in llama.cpp's hands
             llama_sampler_free(self.graph_chains[seq_id])
         self.graph_chains[seq_id], self.graph_kind[seq_id] = chain, kind
-        if not attached:  # the device cannot run these samplers: sample on the host from now on
-            llama_sampler_free(chain)
+        if not attached:  # the device cannot run these samplers: every slot samples on the host
             self.graph_chains[seq_id], self.graph_kind[seq_id] = NULL, _ON_HOST
+            llama_sampler_free(chain)
+            self._detach_all()
             self.backend_sampling = False
+
+    cdef void _detach_all(self) except *:
+        cdef int seq_id
+        for seq_id in range(self.n_seq_max):
+            if self.graph_chains[seq_id] is not NULL:
+                llama_set_sampler(self.ctx, seq_id, NULL)
+                llama_sampler_free(self.graph_chains[seq_id])
+                self.graph_chains[seq_id], self.graph_kind[seq_id] = NULL, _ON_HOST
 
     cdef llama_sampler * _eog_bias(self) except NULL:
         """A sampler that sets every end-of-generation token's logit to -inf."""
