@@ -51,7 +51,16 @@ class Scheduler:
     (least recently used) and then running sequences preempted when cells run out; otherwise each
     slot is a stream of `max_seq_len` cells that its sequence can never outgrow.
     `prefill_block`: a prompt chunk that stops short of the prompt's end stops at a multiple of
-    it, and cached prefixes are reused in whole blocks (see _core.PREFILL_BLOCK)."""
+    it, and cached prefixes are reused in whole blocks (see _core.PREFILL_BLOCK).
+    `prefill_chunk`: prompt tokens a step computes while it is shared, with decodes or with
+    other prompts (a prompt alone takes the whole budget). On a CPU every token of a step costs
+    about the same, so a small share lets first tokens leave a few at a time instead of all
+    after one long step, and requests that arrived together stop finishing together
+    (ARCHITECTURE.md, "Prompt tokens per step")."""
+
+    # The first prompt chunk of a shared step may always take this many tokens, so that a long
+    # prompt still moves at a useful pace beside many decodes.
+    MIN_PROMPT_CHUNK = 64
 
     # A sequence whose prompt shares at least this many more tokens with one still being
     # prefilled waits for them rather than computing them a second time; a shorter common
@@ -61,9 +70,11 @@ class Scheduler:
     def __init__(self, *, max_seqs: int, token_budget: int, kv_capacity: int, max_queue: int,
                  max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset(),
                  n_slots: int | None = None, shared_kv: bool = True,
-                 prefix_cache: bool = True, prefill_block: int = 1) -> None:
+                 prefix_cache: bool = True, prefill_block: int = 1,
+                 prefill_chunk: int | None = None) -> None:
         self.max_seqs = max_seqs
         self.token_budget = token_budget
+        self.prefill_chunk = prefill_chunk or token_budget
         self.kv_capacity = kv_capacity
         self.max_seq_len = max_seq_len or kv_capacity  # cells one sequence may hold
         self.max_queue = max_queue
@@ -74,6 +85,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
         self._step_cells = 0  # cells the step being planned will fill
+        self._step_prompt_chunks = 0  # prompt chunks in the step being planned
+        self._first_prompt_chunk = 0  # tokens the step's first prompt chunk may always take
         self.num_preemptions = 0
         self._released: list[tuple[int, Sequence]] = []
         self._kv_ops: list[KvOp] = []
@@ -113,8 +126,14 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self._step_cells = 0
+        self._step_prompt_chunks = 0
         out.expired = self._expire(now)
-        budget = self._schedule_running(out, self.token_budget, now)
+        room = self._schedule_decodes(out, self.token_budget, now)
+        self._first_prompt_chunk = min(room, self.MIN_PROMPT_CHUNK)
+        budget = room
+        if self.prefill_chunk < room and (out.chunks or self._prompts_compete()):
+            budget = self.prefill_chunk
+        budget = self._schedule_prefills(out, budget)
         self._admit_waiting(out, budget, now)
         # In slot order: llama.cpp splits a batch over split KV streams into micro-batches of
         # consecutive seq ids in batch order, so any other order costs extra forward passes.
@@ -248,10 +267,9 @@ class Scheduler:
             self.finish(seq, FINISH_TIMEOUT, now, error="request deadline passed")
         return expired
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        # Decodes (one token each) before prefill chunks, for every running sequence.
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """One token for every running sequence that decodes, before any prompt chunk."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding:
             if budget == 0:
                 break
@@ -261,12 +279,39 @@ class Scheduler:
                 self.preempt_newest(now)
             if seq.status is SequenceStatus.RUNNING:
                 budget -= self._add_chunk(out, seq, 1)
-        for seq in prefilling:
-            if seq.status is SequenceStatus.RUNNING and budget > 0:
-                remaining = seq.num_tokens - seq.num_computed_tokens
-                self._reclaim(min(budget, remaining))
-                budget -= self._add_chunk(out, seq, min(budget, remaining, self._kv_free()))
         return budget
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        """Prompt chunks of running sequences, in the order they were admitted."""
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]:
+            if seq.status is SequenceStatus.RUNNING and budget > 0:
+                budget -= self._add_prompt_chunk(out, seq, budget)
+        return budget
+
+    def _prompts_compete(self) -> bool:
+        """Whether more than one sequence could compute prompt tokens this step; one that will
+        wait for another's prefix (see _awaits_shared_prefix) does not count."""
+        prompts = [s.prompt_token_ids for s in self.running
+                   if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in self.waiting:
+            if len(prompts) > 1:
+                break
+            shares = seq.cache_prompt and self.cache.enabled and any(
+                common_prefix(p, seq.prompt_token_ids) >= self.MIN_SHARED_WAIT for p in prompts)
+            if not (shares or self._awaits_shared_prefix(seq)):
+                prompts.append(seq.prompt_token_ids)
+        return len(prompts) > 1
+
+    def _add_prompt_chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        """`seq`'s next prompt chunk: as much as the budget leaves, and at least
+        MIN_PROMPT_CHUNK for the step's first. Returns the tokens it takes."""
+        if self._step_prompt_chunks == 0:
+            budget = max(budget, self._first_prompt_chunk)
+        length = min(budget, seq.num_tokens - seq.num_computed_tokens)
+        self._reclaim(length)
+        added = self._add_chunk(out, seq, min(length, self._kv_free()))
+        self._step_prompt_chunks += added > 0
+        return added
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         held_back = []
@@ -279,7 +324,7 @@ class Scheduler:
                 self.waiting.appendleft(seq)
                 break
             out.started.append(seq)
-            budget -= self._add_chunk(out, seq, min(budget, seq.num_tokens - seq.num_computed_tokens))
+            budget -= self._add_prompt_chunk(out, seq, budget)
         self.waiting.extendleft(reversed(held_back))
 
     def _start(self, seq: Sequence, now: float) -> bool:

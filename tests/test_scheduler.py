@@ -77,6 +77,72 @@ def test_long_prompt_is_chunked_while_decodes_get_a_token_every_step():
     assert long_prompt.num_computed_tokens == 4000
 
 
+def prompt_tokens_of(out):
+    return {c.seq.request_id: c.length for c in out.chunks if c.length > 1 or c.start == 0}
+
+
+def test_a_prompt_alone_takes_the_whole_budget_whatever_the_prefill_chunk():
+    sched = make_scheduler(budget=256, prefill_chunk=16)
+    seq = make_seq(1000, name="alone")
+    sched.add(seq)
+    assert prompt_tokens_of(run_step(sched)) == {"alone": 256}
+
+
+def test_prompts_that_arrive_together_share_steps_by_the_prefill_chunk():
+    # Four 10-token prompts at once: with a share of 16 tokens a step, one prompt a step (a
+    # chunk short of a prompt's end would end on a block), so their first tokens leave one step
+    # apart instead of all after one step.
+    sched = make_scheduler(budget=256, prefill_chunk=16, prefill_block=64, shared_kv=False)
+    seqs = [make_seq(10, max_tokens=100, name=f"p{i}") for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    firsts = []
+    for step in range(4):
+        out = run_step(sched, now=step)
+        assert sum(c.length for c in out.chunks if c.length > 1) == 10
+        firsts.append(sorted(s.request_id for s in seqs if s.num_output_tokens == 1))
+    assert firsts == [["p0"], ["p1"], ["p2"], ["p3"]]
+
+
+def test_short_prompt_tails_fill_the_share_together():
+    # Prompts needing one token each (their prefixes cached, say) all fit one step's share.
+    sched = make_scheduler(budget=256, prefill_chunk=16)
+    decoder = make_seq(8, max_tokens=100, name="d")
+    sched.add(decoder)
+    run_step(sched)  # alone: its whole prompt
+    ones = [make_seq(1, max_tokens=4, name=f"one{i}") for i in range(6)]
+    for seq in ones:
+        sched.add(seq)
+    out = run_step(sched, now=1)
+    assert {c.seq.request_id for c in out.chunks} == {"d", *(s.request_id for s in ones)}
+
+
+def test_beside_decodes_a_long_prompt_moves_a_block_a_step_and_the_budget_holds():
+    sched = make_scheduler(max_seqs=16, budget=80, kv=8192, prefill_chunk=16, prefill_block=64,
+                           shared_kv=False)
+    decoders = [make_seq(8, max_tokens=1000, name=f"d{i}") for i in range(8)]
+    for seq in decoders:
+        sched.add(seq)
+    while any(s.num_output_tokens == 0 for s in decoders):
+        run_step(sched)
+    long_prompt = make_seq(1000, max_tokens=4, name="long")
+    sched.add(long_prompt)
+    for step in range(1, 16):
+        out = run_step(sched, now=step)
+        assert out.num_tokens <= 80
+        assert prompt_tokens_of(out) == {"long": 64}  # the first prompt chunk's floor, aligned
+    assert long_prompt.num_computed_tokens == 15 * 64
+
+
+def test_a_prompt_waiting_for_a_shared_prefix_leaves_the_budget_to_the_one_computing_it():
+    sched = make_scheduler(budget=256, prefill_chunk=16)
+    doc = list(range(100, 1100))
+    first, second = (make_seq(0, name=n, prompt=doc + [q]) for n, q in (("a", 1), ("b", 2)))
+    sched.add(first)
+    sched.add(second)
+    assert prompt_tokens_of(run_step(sched)) == {"a": 256}
+
+
 def test_fifo_admission_by_free_seq_ids():
     sched = make_scheduler(max_seqs=2, budget=512)
     seqs = [make_seq(4, max_tokens=3, name=f"s{i}") for i in range(5)]
