@@ -88,10 +88,10 @@ class EngineConfig:
     # graph, which cost more than it saved (ARCHITECTURE.md has the measurements).
     backend_sampling: bool = False
     n_batch: int = 512
-    # Prompt tokens a step computes beside decodes or other prompts; 0: 16 on a CPU, where
-    # every token of a step costs about the same, and n_batch on a GPU (ARCHITECTURE.md,
-    # "Prompt tokens per step").
-    prefill_chunk: int = 0
+    # Prompt tokens a step may spend ending prompts besides the first it ends; 0: 16 on a CPU,
+    # where every token of a step costs about the same, and n_batch on a GPU (ARCHITECTURE.md,
+    # "Prompts that end in a step").
+    prefill_stagger: int = 0
     n_ubatch: int = 512
     n_threads: int = 0  # 0: every core this process may use
     cpu_wait: str = "auto"  # how CPU threads wait for each other: see apply_cpu_wait
@@ -109,8 +109,9 @@ class EngineConfig:
             raise ValueError("n_parallel must be at most 256 (llama.cpp's sequence limit)")
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"flash_attn must be auto, on or off, got {self.flash_attn!r}")
-        if self.prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be 0 (auto) or positive, got {self.prefill_chunk}")
+        if self.prefill_stagger < 0:
+            raise ValueError("prefill_stagger must be 0 (auto) or positive, "
+                             f"got {self.prefill_stagger}")
         if self.request_timeout <= 0:
             raise ValueError("request_timeout must be positive")
         if self.cpu_wait not in CPU_WAIT_MODES:

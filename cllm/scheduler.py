@@ -52,15 +52,11 @@ class Scheduler:
     slot is a stream of `max_seq_len` cells that its sequence can never outgrow.
     `prefill_block`: a prompt chunk that stops short of the prompt's end stops at a multiple of
     it, and cached prefixes are reused in whole blocks (see _core.PREFILL_BLOCK).
-    `prefill_chunk`: prompt tokens a step computes while it is shared, with decodes or with
-    other prompts (a prompt alone takes the whole budget). On a CPU every token of a step costs
-    about the same, so a small share lets first tokens leave a few at a time instead of all
-    after one long step, and requests that arrived together stop finishing together
-    (ARCHITECTURE.md, "Prompt tokens per step")."""
-
-    # The first prompt chunk of a shared step may always take this many tokens, so that a long
-    # prompt still moves at a useful pace beside many decodes.
-    MIN_PROMPT_CHUNK = 64
+    `prefill_stagger`: prompt tokens a step may spend bringing prompts to their end besides the
+    first one it ends (earlier chunks of a long prompt still take what the budget leaves). On a
+    CPU every token of a step costs about the same, so requests that arrive together then get
+    their first tokens a step apart instead of all after one long step, and stop finishing
+    together (ARCHITECTURE.md, "Prompts that end in a step")."""
 
     # A sequence whose prompt shares at least this many more tokens with one still being
     # prefilled waits for them rather than computing them a second time; a shorter common
@@ -71,10 +67,10 @@ class Scheduler:
                  max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset(),
                  n_slots: int | None = None, shared_kv: bool = True,
                  prefix_cache: bool = True, prefill_block: int = 1,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_stagger: int | None = None) -> None:
         self.max_seqs = max_seqs
         self.token_budget = token_budget
-        self.prefill_chunk = prefill_chunk or token_budget
+        self.prefill_stagger = prefill_stagger or token_budget
         self.kv_capacity = kv_capacity
         self.max_seq_len = max_seq_len or kv_capacity  # cells one sequence may hold
         self.max_queue = max_queue
@@ -85,8 +81,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
         self._step_cells = 0  # cells the step being planned will fill
-        self._step_prompt_chunks = 0  # prompt chunks in the step being planned
-        self._first_prompt_chunk = 0  # tokens the step's first prompt chunk may always take
+        self._step_ends = 0  # prompts the step being planned brings to their end
+        self._step_end_tokens = 0  # the tokens of those prompts' last chunks
         self.num_preemptions = 0
         self._released: list[tuple[int, Sequence]] = []
         self._kv_ops: list[KvOp] = []
@@ -126,13 +122,9 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self._step_cells = 0
-        self._step_prompt_chunks = 0
+        self._step_ends = self._step_end_tokens = 0
         out.expired = self._expire(now)
-        room = self._schedule_decodes(out, self.token_budget, now)
-        self._first_prompt_chunk = min(room, self.MIN_PROMPT_CHUNK)
-        budget = room
-        if self.prefill_chunk < room and (out.chunks or self._prompts_compete()):
-            budget = self.prefill_chunk
+        budget = self._schedule_decodes(out, self.token_budget, now)
         budget = self._schedule_prefills(out, budget)
         self._admit_waiting(out, budget, now)
         # In slot order: llama.cpp splits a batch over split KV streams into micro-batches of
@@ -288,29 +280,19 @@ class Scheduler:
                 budget -= self._add_prompt_chunk(out, seq, budget)
         return budget
 
-    def _prompts_compete(self) -> bool:
-        """Whether more than one sequence could compute prompt tokens this step; one that will
-        wait for another's prefix (see _awaits_shared_prefix) does not count."""
-        prompts = [s.prompt_token_ids for s in self.running
-                   if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in self.waiting:
-            if len(prompts) > 1:
-                break
-            shares = seq.cache_prompt and self.cache.enabled and any(
-                common_prefix(p, seq.prompt_token_ids) >= self.MIN_SHARED_WAIT for p in prompts)
-            if not (shares or self._awaits_shared_prefix(seq)):
-                prompts.append(seq.prompt_token_ids)
-        return len(prompts) > 1
-
     def _add_prompt_chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
-        """`seq`'s next prompt chunk: as much as the budget leaves, and at least
-        MIN_PROMPT_CHUNK for the step's first. Returns the tokens it takes."""
-        if self._step_prompt_chunks == 0:
-            budget = max(budget, self._first_prompt_chunk)
-        length = min(budget, seq.num_tokens - seq.num_computed_tokens)
+        """`seq`'s next prompt chunk, as much as the budget leaves; none if it would end the
+        prompt and the step has already spent its stagger on ending others. Returns its tokens."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if (remaining <= budget and self._step_ends
+                and self._step_end_tokens + remaining > self.prefill_stagger):
+            return 0  # its first token waits a step
+        length = min(budget, remaining)
         self._reclaim(length)
         added = self._add_chunk(out, seq, min(length, self._kv_free()))
-        self._step_prompt_chunks += added > 0
+        if added == remaining:
+            self._step_ends += 1
+            self._step_end_tokens += added
         return added
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:

@@ -47,9 +47,10 @@ OPTIONS = {
                      "start requests from cached KV of the prompt prefixes they share"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
     "ubatch_size": (int, _ENGINE.n_ubatch, "tokens per llama.cpp micro-batch"),
-    "prefill_chunk": (int, _ENGINE.prefill_chunk,
-                      "prompt tokens a step computes beside decodes or other prompts; a prompt "
-                      "alone takes the whole batch (0: 16 on a CPU, the batch size on a GPU)"),
+    "prefill_stagger": (int, _ENGINE.prefill_stagger,
+                        "prompt tokens a step may spend ending prompts besides the first it ends, "
+                        "so that requests arriving together get first tokens a step apart "
+                        "(0: 16 on a CPU, the batch size on a GPU)"),
     "threads": (int, _ENGINE.n_threads, "CPU threads (0: every usable core)"),
     "cpu_wait": (str, _ENGINE.cpu_wait,
                  "how CPU threads wait for each other: spin (fastest on an idle machine), sleep "
@@ -132,7 +133,7 @@ def build_config(options: dict) -> ServerConfig:
     engine = EngineConfig(
         model=options["model"], n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
-        prefill_chunk=options["prefill_chunk"], n_threads=options["threads"], cpu_wait=options["cpu_wait"],
+        prefill_stagger=options["prefill_stagger"], n_threads=options["threads"], cpu_wait=options["cpu_wait"],
         kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
         prefix_cache=options["prefix_cache"], n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],

@@ -232,9 +232,10 @@ def test_tiny_unified_cache_completes_everything_through_preemption(model_path):
 
 @ON_GPU_NOT_BATCH_INVARIANT
 def test_decode_runs_in_c_give_the_same_tokens_and_stop_at_eog(model_path, alone):
-    # Every prompt in the first step (prefill_chunk), so that the steps counted are decodes.
+    # Every prompt in the first step (prefill_stagger), so that the steps counted are decodes.
     multi = Engine(EngineConfig(n_ctx=16 * 256, n_parallel=16, n_batch=512, n_threads=2,
-                                decode_steps=5, kv_unified=False, prefill_chunk=512), model_path)
+                                decode_steps=5, kv_unified=False, prefill_stagger=512),
+                   model_path)
     try:
         assert multi.decode_steps == 5
         results = asyncio.run(run_many(multi, PROMPTS[:16], 16, max_tokens=MAX_TOKENS,

@@ -81,32 +81,28 @@ def prompt_tokens_of(out):
     return {c.seq.request_id: c.length for c in out.chunks if c.length > 1 or c.start == 0}
 
 
-def test_a_prompt_alone_takes_the_whole_budget_whatever_the_prefill_chunk():
-    sched = make_scheduler(budget=256, prefill_chunk=16)
-    seq = make_seq(1000, name="alone")
-    sched.add(seq)
+def test_a_prompt_alone_takes_the_whole_budget_whatever_the_stagger():
+    sched = make_scheduler(budget=256, prefill_stagger=16)
+    sched.add(make_seq(1000, name="alone"))
     assert prompt_tokens_of(run_step(sched)) == {"alone": 256}
 
 
-def test_prompts_that_arrive_together_share_steps_by_the_prefill_chunk():
-    # Four 10-token prompts at once: with a share of 16 tokens a step, one prompt a step (a
-    # chunk short of a prompt's end would end on a block), so their first tokens leave one step
-    # apart instead of all after one step.
-    sched = make_scheduler(budget=256, prefill_chunk=16, prefill_block=64, shared_kv=False)
-    seqs = [make_seq(10, max_tokens=100, name=f"p{i}") for i in range(4)]
-    for seq in seqs:
-        sched.add(seq)
-    firsts = []
-    for step in range(4):
-        out = run_step(sched, now=step)
-        assert sum(c.length for c in out.chunks if c.length > 1) == 10
-        firsts.append(sorted(s.request_id for s in seqs if s.num_output_tokens == 1))
-    assert firsts == [["p0"], ["p1"], ["p2"], ["p3"]]
+def test_prompts_that_arrive_together_get_their_first_tokens_a_step_apart():
+    # Four 10-token prompts at once: a step ends one, since a second would spend 10 more tokens
+    # than the stagger of 16 allows; without a stagger all four end in the first step.
+    for stagger, expected in ((16, [0, 1, 2, 3]), (None, [0, 0, 0, 0])):
+        sched = make_scheduler(budget=256, prefill_stagger=stagger)
+        seqs = [make_seq(10, max_tokens=100, name=f"p{i}") for i in range(4)]
+        for seq in seqs:
+            sched.add(seq)
+        for step in range(4):
+            run_step(sched, now=step)
+        assert [s.first_token_time for s in seqs] == expected
 
 
-def test_short_prompt_tails_fill_the_share_together():
-    # Prompts needing one token each (their prefixes cached, say) all fit one step's share.
-    sched = make_scheduler(budget=256, prefill_chunk=16)
+def test_short_prompt_tails_end_together_within_the_stagger():
+    # Prompts needing one token each (their prefixes cached, say) all end in one step.
+    sched = make_scheduler(budget=256, prefill_stagger=16)
     decoder = make_seq(8, max_tokens=100, name="d")
     sched.add(decoder)
     run_step(sched)  # alone: its whole prompt
@@ -117,9 +113,8 @@ def test_short_prompt_tails_fill_the_share_together():
     assert {c.seq.request_id for c in out.chunks} == {"d", *(s.request_id for s in ones)}
 
 
-def test_beside_decodes_a_long_prompt_moves_a_block_a_step_and_the_budget_holds():
-    sched = make_scheduler(max_seqs=16, budget=80, kv=8192, prefill_chunk=16, prefill_block=64,
-                           shared_kv=False)
+def test_a_long_prompt_takes_what_the_decodes_leave_whatever_the_stagger():
+    sched = make_scheduler(max_seqs=16, budget=80, kv=8192, prefill_stagger=16)
     decoders = [make_seq(8, max_tokens=1000, name=f"d{i}") for i in range(8)]
     for seq in decoders:
         sched.add(seq)
@@ -127,15 +122,13 @@ def test_beside_decodes_a_long_prompt_moves_a_block_a_step_and_the_budget_holds(
         run_step(sched)
     long_prompt = make_seq(1000, max_tokens=4, name="long")
     sched.add(long_prompt)
-    for step in range(1, 16):
-        out = run_step(sched, now=step)
-        assert out.num_tokens <= 80
-        assert prompt_tokens_of(out) == {"long": 64}  # the first prompt chunk's floor, aligned
-    assert long_prompt.num_computed_tokens == 15 * 64
+    while long_prompt.num_output_tokens == 0:
+        left = long_prompt.num_tokens - long_prompt.num_computed_tokens
+        assert prompt_tokens_of(run_step(sched)) == {"long": min(72, left)}
 
 
 def test_a_prompt_waiting_for_a_shared_prefix_leaves_the_budget_to_the_one_computing_it():
-    sched = make_scheduler(budget=256, prefill_chunk=16)
+    sched = make_scheduler(budget=256, prefill_stagger=16)
     doc = list(range(100, 1100))
     first, second = (make_seq(0, name=n, prompt=doc + [q]) for n, q in (("a", 1), ("b", 2)))
     sched.add(first)
