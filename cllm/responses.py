@@ -148,10 +148,16 @@ def anthropic_error(error: APIError) -> dict:
         "message": error.message}}
 
 
+# JSON leaves these raw in strings, but clients that split a stream with str.splitlines (httpx's
+# aiter_lines among them) break lines at them too, and would receive half an event.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                      "\u2029": "\\u2029"})
+
+
 def sse_event(payload: dict | str) -> bytes:
     """One server-sent event: a compact JSON payload, or a literal such as "[DONE]"."""
     data = payload if isinstance(payload, str) else json.dumps(
-        payload, separators=(",", ":"), ensure_ascii=False)
+        payload, separators=(",", ":"), ensure_ascii=False).translate(_UNICODE_LINE_BREAKS)
     return b"data: " + data.encode() + b"\n\n"
 
 

@@ -99,6 +99,14 @@ def test_sse_framing_is_exact():
     assert sse_event("[DONE]") == b"data: [DONE]\n\n"
 
 
+def test_sse_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks():
+    text = "a\x85b\u2028c\u2029d\re\nf"  # a model may generate any of them
+    event = sse_event({"text": text}).decode()
+    lines = event.splitlines()
+    assert len(lines) == 2 and lines[1] == ""
+    assert json.loads(lines[0].removeprefix("data: ")) == {"text": text}
+
+
 def test_sse_payload_with_logprobs_is_strict_json():
     event = sse_event(chat_chunk(ID, MODEL, CREATED, 0, role=False, text="x", finish_reason=None,
                                  logprobs=chat_logprobs([(Token("x", b"x"), -math.inf, [])])))
