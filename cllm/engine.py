@@ -308,15 +308,17 @@ class Engine:
 
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many decode steps to run in C at once: several only while nobody waits, every
-        chunk is a decode, and no one asked for logprobs (each new request interrupts a run) or
-        is constrained (its next bitmask depends on the token the step samples)."""
+        chunk is a decode, none samples its sequence's first token (a prompt the cache holds
+        but its last token looks like a decode, and its first token would wait for the whole
+        run), and no one asked for logprobs (each new request interrupts a run) or is
+        constrained (its next bitmask depends on the token the step samples)."""
         steps = self.decode_steps
         if steps <= 1 or not self._run_ahead or self._inbox or self.scheduler.waiting:
             return 1
         for chunk in out.chunks:
             p = chunk.seq.sampling
-            if (chunk.length != 1 or not chunk.samples or p.logprobs is not None
-                    or p.grammar is not None):
+            if (chunk.length != 1 or not chunk.samples or chunk.seq.num_output_tokens == 0
+                    or p.logprobs is not None or p.grammar is not None):
                 return 1
         return self.scheduler.room_for_run(len(out.chunks), steps)  # the pool holds every row's run
 

@@ -242,10 +242,15 @@ def test_decode_runs_in_c_give_the_same_tokens_and_stop_at_eog(model_path, alone
                                        temperature=0, ignore_eos=True))
         assert [tokens for _, tokens, _ in results] == [tokens for _, tokens, _ in alone[:16]]
         assert multi.timer.steps < MAX_TOKENS  # runs happened: one step a token would need more
-        deltas = collect(multi, multi.model.tokenize(CHAT_PROMPT, parse_special=True),
-                         max_tokens=200, temperature=0)
+        chat = multi.model.tokenize(CHAT_PROMPT, parse_special=True)
+        deltas = collect(multi, chat, max_tokens=200, temperature=0)
         assert deltas[-1].finish_reason == FINISH_STOP
         assert multi.model.is_eog(deltas[-1].token_ids[-1])
+        # A prompt cached but for its last token: that token is a step of its own, so the
+        # first token leaves at once instead of with a run's worth of tokens.
+        cached = collect(multi, chat, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        assert cached[-1].cached_tokens == cached[-1].prompt_tokens - 1
+        assert len(cached[0].token_ids) == 1 and len(cached[1].token_ids) > 1
         assert_idle(multi)
     finally:
         multi.shutdown()
