@@ -70,6 +70,7 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._cache_size = cache_size
+        self._compiling: dict[tuple[str, str], Future] = {}  # by the thread compiling it
         self._lock = threading.Lock()
 
     def json_schema(self, schema: dict | bool) -> Grammar:
@@ -91,17 +92,33 @@ class Grammars:
             return self._tokenizer
 
     def _get(self, kind: str, text: str, translate) -> Grammar:
+        """The cached grammar, else compiled once: requests that bring the same new grammar
+        together (64 clients with one schema) wait for one compilation instead of each doing it."""
         key = (kind, text)
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
                 self._cache.move_to_end(key)
                 return grammar
-        grammar = self._compile(translate)
+            pending = self._compiling.get(key)
+            compiling_here = pending is None
+            if compiling_here:
+                pending = self._compiling[key] = Future()
+        if not compiling_here:
+            return pending.result()  # or raises its GrammarError
+        try:
+            grammar = self._compile(translate)
+        except BaseException as exc:
+            with self._lock:
+                del self._compiling[key]
+            pending.set_exception(exc)
+            raise
         with self._lock:
+            del self._compiling[key]
             self._cache[key] = grammar
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
+        pending.set_result(grammar)
         return grammar
 
     def _compile(self, translate) -> Grammar:

@@ -5,10 +5,13 @@ import asyncio
 import json
 import math
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import jsonschema
+import llguidance
 import pytest
 
 from cllm import _core
@@ -62,6 +65,27 @@ def test_grammars_are_cached_by_their_text(engine):
     assert engine.grammars.json_schema(json.loads(json.dumps(SCHEMAS[0]["schema"]))) is first
     assert engine.grammars.gbnf(YES_NO) is engine.grammars.gbnf(YES_NO)
     assert engine.grammars.json_schema(SCHEMAS[1]["schema"]) is not first
+
+
+def test_requests_bringing_one_new_grammar_together_compile_it_once(engine, monkeypatch):
+    translated = []
+    translate = llguidance.grammar_from
+
+    def slow_translate(kind, text):  # long enough for every thread to ask meanwhile
+        translated.append(text)
+        time.sleep(0.2)
+        return translate(kind, text)
+
+    monkeypatch.setattr(llguidance, "grammar_from", slow_translate)
+    grammar, bad = 'root ::= "together"', "root ::= missing_together"
+    with ThreadPoolExecutor(8) as pool:
+        compiled = list(pool.map(lambda _: engine.grammars.gbnf(grammar), range(8)))
+        failures = [pool.submit(engine.grammars.gbnf, bad) for _ in range(4)]
+    assert translated.count(grammar) == 1 and all(g is compiled[0] for g in compiled)
+    for future in failures:  # every waiter hears why
+        with pytest.raises(GrammarError, match="missing_together"):
+            future.result()
+    assert translated.count(bad) == 1
 
 
 @pytest.mark.parametrize("compile_, source, problem", [
