@@ -11,6 +11,7 @@ import pytest
 
 from http_checks import assert_error, post_stream, sse_payloads
 from server_process import ServerProcess
+from test_engine import ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -62,6 +63,7 @@ def test_served_model_name_names_the_model_everywhere():
 
 # ---- vLLM's return_token_ids ----
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the second request's prompt comes from the prefix cache
 def test_completion_returns_prompt_and_output_token_ids(http):
     body = {"prompt": PROMPT, "max_tokens": 8, "return_token_ids": True, **GREEDY}
     whole = http.post("/v1/completions", json=body).json()
@@ -78,6 +80,7 @@ def test_completion_returns_prompt_and_output_token_ids(http):
         "prompt": PROMPT, "max_tokens": 2}).json()["choices"][0]
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the second request's prompt comes from the prefix cache
 def test_chat_returns_prompt_and_output_token_ids(client, http):
     messages = [{"role": "user", "content": "Name a colour."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,

@@ -519,6 +519,7 @@ def test_a_row_that_fails_its_batch_fails_alone_and_the_others_go_on(model_path,
         eng.shutdown()
 
 
+@ON_GPU_NOT_BATCH_INVARIANT
 def test_a_failed_decode_run_loses_no_request(model_path, alone):
     eng = Engine(EngineConfig(n_ctx=8 * 256, n_parallel=8, n_batch=512, n_threads=2,
                               decode_steps=5, kv_unified=False), model_path)

@@ -8,6 +8,7 @@ import pytest
 from cllm.api import APIError
 from cllm.openai_responses import parse_request
 from server_process import ServerProcess
+from test_engine import ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = "Name three colours."
@@ -70,6 +71,7 @@ def chat_text(client, max_tokens: int) -> str:
     return r.choices[0].message.content
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the second request's prompt comes from the prefix cache
 def test_a_response_answers_as_chat_does(client):
     r = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.",
                                 max_output_tokens=40, temperature=0)

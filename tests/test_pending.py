@@ -9,6 +9,7 @@ import pytest
 from cllm.pending import PendingTokens
 from http_checks import post_stream
 from server_process import ServerProcess
+from test_engine import ON_GPU_NOT_BATCH_INVARIANT
 
 # ---- the grouping ----
 
@@ -131,6 +132,7 @@ def token_counts(path, tokens):
     return [b - a for a, b in zip([0, *tokens], tokens)]
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the second request's prompt comes from the prefix cache
 @pytest.mark.parametrize("path", ROUTES)
 def test_events_carry_at_most_the_interval_and_add_up_to_the_whole_text(server, http, path):
     body, text_of, event_of = ROUTES[path]

@@ -28,6 +28,7 @@ from cllm.server import AppState, guarded
 from http_checks import (StreamGaps, assert_error, metrics, post_stream, sse_payloads,
                          wait_for_metric)
 from server_process import ServerProcess
+from test_engine import ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -305,6 +306,7 @@ def test_template_that_writes_bos_gets_no_second_one(gemma_path, tmp_path):
 
 # ---- /generate, the original API ----
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the second request's prompt comes from the prefix cache
 def test_generate(http):
     body = {"prompt": PROMPT, "max_tokens": 7, "temperature": 0.0, "ignore_eos": True}
     r = http.post("/generate", json=body)
