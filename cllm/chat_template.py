@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import jinja2
-import jinja2.meta
+import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -36,6 +36,15 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def unsafe_undefined(self, obj, attribute):
         raise SecurityError(f"access to attribute {attribute!r} of a "
                             f"{type(obj).__name__!r} object is unsafe")
+
+
+@jinja2.pass_eval_context
+def _at_render_time(eval_ctx, value):
+    """Output as is. Jinja evaluates constant expressions while it compiles, in the server's own
+    process where no memory or time limit holds (`{{ 'x' * 10**11 }}` filled a 128 GB machine's
+    memory there); `optimized=False` stops its optimizer and a finalize that needs the render's
+    context stops the rest, so every expression runs when rendering, in the limited worker."""
+    return value
 
 
 def _raise_exception(message: str) -> None:
@@ -70,16 +79,18 @@ class ChatTemplate:
 
     def __init__(self, source: str | None, *, bos_token: str, eos_token: str,
                  max_chars: int = MAX_PROMPT_CHARS) -> None:
-        env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
-                       extensions=["jinja2.ext.loopcontrols"])
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, optimized=False,
+                       finalize=_at_render_time, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         self.source = source
         text = CHATML_TEMPLATE if source is None else source
         try:
             self._template = env.from_string(text)
-            # Whether the template renders tools itself (else tools.py describes them).
-            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(text))
+            # Whether the template renders tools itself (else tools.py describes them). Not
+            # jinja2.meta.find_undeclared_variables: it folds constants as the compiler would.
+            self.takes_tools = any(node.name == "tools" and node.ctx == "load"
+                                   for node in env.parse(text).find_all(jinja2.nodes.Name))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"invalid chat template (line {e.lineno}): {e.message}") from None
         self.bos_token = bos_token

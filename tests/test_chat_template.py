@@ -1,6 +1,7 @@
 """Chat templates (cllm/chat_template.py): the sandbox, the helpers templates use, errors as 400s,
 and the renderer's limits on time, memory and output; no model needed."""
 import asyncio
+import tracemalloc
 
 import pytest
 
@@ -158,6 +159,18 @@ def test_renderer_renders():
 def test_render_past_its_deadline_is_a_400_and_the_next_render_works():
     assert render_all(SPIN, ["spin", "Hi"], timeout=1) == [
         "chat template error: rendering took over 1 s", "Hi"]
+
+
+def test_compiling_a_template_evaluates_none_of_its_expressions():
+    # Compiling happens in the server's own process, without the workers' memory limit.
+    source = "{{ 'x' * 10**8 }}{{ 'y' | center(100000000) }}{% if 'z' * 10**8 %}{% endif %}"
+    tracemalloc.start()
+    try:
+        ChatTemplate(source, bos_token="", eos_token="")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20  # a folded expression would hold 100 MB
 
 
 def test_render_past_the_memory_limit_is_a_400_and_the_next_render_works():
