@@ -81,8 +81,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
         self._step_cells = 0  # cells the step being planned will fill
-        self._step_ends = 0  # prompts the step being planned brings to their end
-        self._step_end_tokens = 0  # the tokens of those prompts' last chunks
+        self._step_end_tokens = 0  # tokens of the last chunks of prompts the step ends
         self.num_preemptions = 0
         self._released: list[tuple[int, Sequence]] = []
         self._kv_ops: list[KvOp] = []
@@ -122,7 +121,7 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self._step_cells = 0
-        self._step_ends = self._step_end_tokens = 0
+        self._step_end_tokens = 0
         out.expired = self._expire(now)
         budget = self._schedule_decodes(out, self.token_budget, now)
         budget = self._schedule_prefills(out, budget)
@@ -284,14 +283,13 @@ class Scheduler:
         """`seq`'s next prompt chunk, as much as the budget leaves; none if it would end the
         prompt and the step has already spent its stagger on ending others. Returns its tokens."""
         remaining = seq.num_tokens - seq.num_computed_tokens
-        if (remaining <= budget and self._step_ends
+        if (remaining <= budget and self._step_end_tokens
                 and self._step_end_tokens + remaining > self.prefill_stagger):
             return 0  # its first token waits a step
         length = min(budget, remaining)
         self._reclaim(length)
         added = self._add_chunk(out, seq, min(length, self._kv_free()))
         if added == remaining:
-            self._step_ends += 1
             self._step_end_tokens += added
         return added
 
