@@ -127,15 +127,6 @@ def test_a_long_prompt_takes_what_the_decodes_leave_whatever_the_stagger():
         assert prompt_tokens_of(run_step(sched)) == {"long": min(72, left)}
 
 
-def test_a_prompt_waiting_for_a_shared_prefix_leaves_the_budget_to_the_one_computing_it():
-    sched = make_scheduler(budget=256, prefill_stagger=16)
-    doc = list(range(100, 1100))
-    first, second = (make_seq(0, name=n, prompt=doc + [q]) for n, q in (("a", 1), ("b", 2)))
-    sched.add(first)
-    sched.add(second)
-    assert prompt_tokens_of(run_step(sched)) == {"a": 256}
-
-
 def test_fifo_admission_by_free_seq_ids():
     sched = make_scheduler(max_seqs=2, budget=512)
     seqs = [make_seq(4, max_tokens=3, name=f"s{i}") for i in range(5)]
