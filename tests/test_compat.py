@@ -11,7 +11,7 @@ import pytest
 
 from http_checks import assert_error, post_stream, sse_payloads
 from server_process import ServerProcess
-from test_engine import ON_GPU_NOT_BATCH_INVARIANT
+from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"

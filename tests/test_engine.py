@@ -10,10 +10,8 @@ from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine, EngineStoppedError, PromptTooLongError
 from cllm.prefix_cache import common_prefix
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
-ON_GPU_NOT_BATCH_INVARIANT = pytest.mark.xfail(
-    _core.supports_gpu_offload(), strict=False,
-    reason="llama.cpp's CUDA kernels are not batch-invariant (see test_core)")
 MAX_TOKENS = 12
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"

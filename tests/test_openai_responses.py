@@ -8,7 +8,7 @@ import pytest
 from cllm.api import APIError
 from cllm.openai_responses import parse_request
 from server_process import ServerProcess
-from test_engine import ON_GPU_NOT_BATCH_INVARIANT
+from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = "Name three colours."

@@ -9,7 +9,7 @@ import pytest
 from cllm.pending import PendingTokens
 from http_checks import post_stream
 from server_process import ServerProcess
-from test_engine import ON_GPU_NOT_BATCH_INVARIANT
+from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
 # ---- the grouping ----
 

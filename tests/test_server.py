@@ -28,7 +28,7 @@ from cllm.server import AppState, guarded
 from http_checks import (StreamGaps, assert_error, metrics, post_stream, sse_payloads,
                          wait_for_metric)
 from server_process import ServerProcess
-from test_engine import ON_GPU_NOT_BATCH_INVARIANT
+from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village by the sea,"

@@ -20,7 +20,8 @@ from cllm.engine import Engine
 from cllm.structured import GrammarError, MaskFiller
 from http_checks import assert_error, metrics, sse_payloads
 from server_process import ServerProcess
-from test_engine import ON_GPU_NOT_BATCH_INVARIANT, FaultyContext, assert_idle, run_tokens
+from test_core import ON_GPU_NOT_BATCH_INVARIANT
+from test_engine import FaultyContext, assert_idle, run_tokens
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "schemas.json").read_text())
 MAX_TOKENS = 96  # every test schema's longest output is well below this
