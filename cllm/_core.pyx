@@ -303,6 +303,11 @@ cdef class Context:
     cdef readonly int mask_words  # uint32 words of one token bitmask: a bit per vocabulary entry
     cdef readonly bint kv_unified, aligned_prefill, backend_sampling
     cdef volatile int _interrupted  # set from any thread: a decode run stops after its step
+    # During a decode run with constrained rows: decode_run's after_step, the array it reads
+    # (each row's token if it goes on, else -1) and what it raised.
+    cdef object _after_step
+    cdef carray.array _going_on
+    cdef object _after_step_error
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
                   int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True,
@@ -608,7 +613,9 @@ cdef class Context:
         return out if lp is None else (out, lp)
 
     def decode_run(self, const int[::1] seq_ids, const int[::1] positions,
-                   const int[::1] last_tokens, const int[::1] budgets, int n_steps):
+                   const int[::1] last_tokens, const int[::1] budgets, int n_steps,
+                   const int[::1] mask_rows=None, const int[::1] masks=None,
+                   const int[::1] masks_ready=None, after_step=None):
         """Up to `n_steps` decode steps in C for sequences that are past their prompts.
 
         Row r continues `seq_ids[r]` from `last_tokens[r]` at `positions[r]` and stops after
@@ -617,7 +624,15 @@ cdef class Context:
         ends early when every row has stopped, on `interrupt()`, or when the KV cache is full.
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
         A step that fails ends the run with what the steps before it made, and leaves no cell of
-        its own behind; DecodeError if the first step fails."""
+        its own behind; DecodeError if the first step fails.
+
+        Constrained rows: `mask_rows`, `masks` and `masks_ready`, as step() takes them, hold the
+        first step's bitmasks, and `after_step(going_on, more)` is called, with the GIL, after
+        every step: going_on[r] is the token row r sampled if the row goes on (neither its
+        budget nor an end token stopped it), else -1. It returns the rows that end there (their
+        grammar is complete), and, when `more`, refills `masks` in place for the next step
+        (`masks_ready` is nonzero once they are filled). What it raises ends the run and is
+        raised here."""
         cdef Py_ssize_t n_rows = seq_ids.shape[0]
         if (positions.shape[0] != n_rows or last_tokens.shape[0] != n_rows
                 or budgets.shape[0] != n_rows):
@@ -625,12 +640,28 @@ cdef class Context:
         if n_rows > self.n_batch or n_steps < 1:
             raise ValueError(f"{n_rows} rows, {n_steps} steps: need 1..{self.n_batch} rows, 1+ steps")
         self._check_rows(seq_ids, _ones(n_rows), last_tokens)
+        cdef const uint32_t * mask_data = self._check_masks(n_rows, mask_rows, masks)
+        self._check_host_rows(seq_ids, _ones(n_rows), None, mask_rows)
+        if (mask_data != NULL) != (after_step is not None):
+            raise ValueError("bitmasks and after_step go together")
         cdef carray.array tokens = carray.clone(_INT_ARRAY, n_rows * n_steps, False)
         cdef carray.array counts = carray.clone(_INT_ARRAY, n_rows, True)
+        cdef const int * row_masks = &mask_rows[0] if mask_data != NULL else NULL
         cdef int32_t rc
-        with nogil:
-            rc = self._run(seq_ids, positions, last_tokens, budgets, n_steps,
-                           tokens.data.as_ints, counts.data.as_ints)
+        self._after_step = after_step
+        self._going_on = carray.clone(_INT_ARRAY, n_rows, False)
+        self._after_step_error = None
+        self.masks_ready = &masks_ready[0] if masks_ready is not None else NULL
+        try:
+            with nogil:
+                rc = self._run(seq_ids, positions, last_tokens, budgets, n_steps, mask_data,
+                               row_masks, tokens.data.as_ints, counts.data.as_ints)
+        finally:
+            self.masks_ready = NULL
+            self._after_step = None
+        if self._after_step_error is not None:
+            error, self._after_step_error = self._after_step_error, None
+            raise error
         cdef Py_ssize_t r
         if rc != 0 and rc != 1:
             for r in range(n_rows):
@@ -651,17 +682,21 @@ cdef class Context:
 
     cdef int32_t _run(self, const int[::1] seq_ids, const int[::1] positions,
                       const int[::1] last_tokens, const int[::1] budgets, int n_steps,
+                      const uint32_t * masks, const int * row_masks,
                       int * tokens, int * counts) noexcept nogil:
         cdef Py_ssize_t r, i, n, n_rows = seq_ids.shape[0]
         cdef int step
         cdef int32_t rc = 0
         cdef int * rows = <int *> malloc(n_rows * sizeof(int))  # batch index → row
-        if rows is NULL:
+        cdef unsigned char * ended = <unsigned char *> calloc(n_rows, 1)  # by after_step
+        if rows is NULL or ended is NULL:
+            free(rows)
+            free(ended)
             return -3
         for step in range(n_steps):
             n = 0
             for r in range(n_rows):
-                if self._continues(tokens + r * n_steps, counts[r], budgets[r]):
+                if not ended[r] and self._continues(tokens + r * n_steps, counts[r], budgets[r]):
                     rows[n] = <int> r
                     self.batch.token[n] = (last_tokens[r] if counts[r] == 0
                                            else tokens[r * n_steps + counts[r] - 1])
@@ -678,16 +713,47 @@ cdef class Context:
                 self._forget_step(n, rows, seq_ids, positions, counts)
                 break
             for i in range(n):
-                self.out_seq[i] = seq_ids[rows[i]]
+                r = rows[i]
+                self.out_seq[i] = seq_ids[r]
                 self.out_idx[i] = <int32_t> i
-                self.out_mask[i] = NULL  # constrained rows never run (see Engine._run_length)
+                self.out_mask[i] = NULL
+                if masks != NULL and row_masks[r] >= 0:
+                    self.out_mask[i] = masks + <size_t> row_masks[r] * self.mask_words
             self._sample_outputs(<int> n, self.out_tokens)
             for i in range(n):
                 r = rows[i]
                 tokens[r * n_steps + counts[r]] = self.out_tokens[i]
                 counts[r] += 1
+            if masks != NULL and not self._end_constrained_rows(
+                    n, rows, tokens, counts, budgets, n_steps, ended,
+                    step + 1 < n_steps and not self._interrupted):
+                break
         free(rows)
+        free(ended)
         return rc
+
+    cdef bint _end_constrained_rows(self, Py_ssize_t n, const int * rows, const int * tokens,
+                                    const int * counts, const int[::1] budgets, int n_steps,
+                                    unsigned char * ended, bint more) noexcept with gil:
+        """A decode run's after_step, after the step that ran `rows`: mark the rows it ends.
+        False if it raised (kept for decode_run to raise)."""
+        cdef int * going_on = self._going_on.data.as_ints
+        cdef Py_ssize_t i, r, e, n_rows = budgets.shape[0]
+        for r in range(n_rows):
+            going_on[r] = -1
+        for i in range(n):
+            r = rows[i]
+            if self._continues(tokens + r * n_steps, counts[r], budgets[r]):
+                going_on[r] = tokens[r * n_steps + counts[r] - 1]
+        try:
+            for e in self._after_step(self._going_on, more):
+                if e < 0 or e >= n_rows:
+                    raise IndexError(f"after_step ended row {e} of {n_rows}")
+                ended[e] = 1
+        except BaseException as exc:
+            self._after_step_error = exc
+            return False
+        return True
 
     cdef void _forget_step(self, Py_ssize_t n, const int * rows, const int[::1] seq_ids,
                            const int[::1] positions, const int * counts) noexcept nogil:

@@ -285,10 +285,15 @@ class Engine:
         if n_steps > 1:
             rows = RunRows.build(out, self.scheduler)
             timer.lap("schedule")
-            result = self._decode_run(out, rows, n_steps, outbox)
+            result = self._decode_run(out, rows, n_steps)
             timer.lap("decode")
             now = time.monotonic()  # the tokens exist from here on: TTFT and ITL count to it
-            got = self.scheduler.postprocess_run(out, *result, n_steps, now) if result else []
+            got = []
+            if result is not None:
+                tokens, counts, grammar_ends = result
+                got = self.scheduler.postprocess_run(out, tokens, counts, n_steps, now)
+                for r, (reason, error) in grammar_ends.items():
+                    self.scheduler.finish(out.chunks[r].seq, reason, now, error)
             self._run_ahead = bool(got)  # a run that made no token (KV full) is not retried
         else:
             rows = StepRows.build(out)
@@ -310,15 +315,15 @@ class Engine:
         """How many decode steps to run in C at once: several only while nobody waits, every
         chunk is a decode, none samples its sequence's first token (a prompt the cache holds
         but its last token looks like a decode, and its first token would wait for the whole
-        run), and no one asked for logprobs (each new request interrupts a run) or is
-        constrained (its next bitmask depends on the token the step samples)."""
+        run), and no one asked for logprobs (each new request interrupts a run). Constrained
+        rows run too: their matchers advance between the run's steps (structured.RunMatchers)."""
         steps = self.decode_steps
         if steps <= 1 or not self._run_ahead or self._inbox or self.scheduler.waiting:
             return 1
         for chunk in out.chunks:
             p = chunk.seq.sampling
             if (chunk.length != 1 or not chunk.samples or chunk.seq.num_output_tokens == 0
-                    or p.logprobs is not None or p.grammar is not None):
+                    or p.logprobs is not None):
                 return 1
         return self.scheduler.room_for_run(len(out.chunks), steps)  # the pool holds every row's run
 
@@ -411,19 +416,37 @@ class Engine:
             if chunk.seq.seq_id is not None:
                 self.ctx.share_prefix(chunk.seq.seq_id, chunk.seq.seq_id, chunk.start)
 
-    def _decode_run(self, out: SchedulerOutput, rows: RunRows, n_steps: int, outbox: _Outbox):
+    def _decode_run(self, out: SchedulerOutput, rows: RunRows, n_steps: int):
+        """(tokens, counts, {chunk index: (finish reason, error)} of the rows whose grammar
+        ended them), or None when the run made nothing."""
+        mask_rows, matchers = self._constrained_rows(out)
+        constrained = (structured.RunMatchers(self._masks, mask_rows, matchers) if matchers
+                       else None)
+        masks = constrained.masks if constrained else None
         try:
-            return self.ctx.decode_run(rows.seq_ids, rows.positions, rows.last_tokens,
-                                       rows.budgets, n_steps)
+            tokens, counts = self.ctx.decode_run(
+                rows.seq_ids, rows.positions, rows.last_tokens, rows.budgets, n_steps,
+                mask_rows, masks.data if masks else None, masks.ready if masks else None,
+                constrained.after_step if constrained else None)
+            return tokens, counts, constrained.ends if constrained else {}
         except _core.DecodeError as exc:
             # Nobody fails here: the next step decodes one token each (a run that made no token
             # is not retried), where _decode pins a failure on the rows that cause it.
             log.warning("decode run failed for %d sequences: %s", len(out.chunks), exc)
+        finally:
+            if constrained is not None:
+                constrained.masks.wait()  # the buffer is the next step's
         return None
 
     def _step_masks(self, out: SchedulerOutput):
         """(mask_rows, Masks) for Context.step: the allowed tokens of each constrained row that
         samples this step, into one buffer; (None, None) when no row is constrained."""
+        mask_rows, matchers = self._constrained_rows(out)
+        return (mask_rows, self._masks.fill(matchers)) if matchers else (None, None)
+
+    def _constrained_rows(self, out: SchedulerOutput):
+        """(mask_rows, matchers): row r samples with bitmask mask_rows[r] (-1: none), that of
+        matchers[mask_rows[r]]; (None, []) when no row that samples is constrained."""
         matchers = []
         mask_rows = None
         for r, chunk in enumerate(out.chunks):
@@ -433,9 +456,7 @@ class Engine:
                     mask_rows = array("i", [-1]) * len(out.chunks)
                 mask_rows[r] = len(matchers)
                 matchers.append(matcher)
-        if not matchers:
-            return None, None
-        return mask_rows, self._masks.fill(matchers)
+        return mask_rows, matchers
 
     def _advance_matchers(self, out: SchedulerOutput, got, now: float) -> None:
         """Feed each constrained sequence's new token to its matcher; the sequence ends (stop)
@@ -446,11 +467,9 @@ class Engine:
             matcher = self._live[seq].matcher
             if matcher is None or seq.is_finished:  # an end token or max_tokens ended it
                 continue
-            if not matcher.consume_token(seq.output_token_ids[-1]):
-                self.scheduler.finish(seq, FINISH_ERROR, now,
-                                      f"the grammar refused a token: {matcher.get_error()}")
-            elif matcher.is_stopped():
-                self.scheduler.finish(seq, FINISH_STOP, now)
+            end = structured.grammar_end(matcher, seq.output_token_ids[-1])
+            if end is not None:
+                self.scheduler.finish(seq, end[0], now, end[1])
 
     def _fail(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
         log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)

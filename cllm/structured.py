@@ -1,6 +1,6 @@
 """Constrained decoding with llguidance: grammars (JSON Schema, GBNF, Lark) compiled against the
 GGUF's own vocabulary, one matcher per sequence, and each step's token bitmasks filled with the
-GIL released. The core applies the bitmasks (Context.step's `masks`).
+GIL released. The core applies the bitmasks (Context.step's and Context.decode_run's `masks`).
 
 ARCHITECTURE.md has the measurements that chose llguidance over xgrammar."""
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
+
+from cllm.sequence import FINISH_ERROR, FINISH_STOP
 
 # Compact JSON with one space after ',' and ':': no free whitespace, which a small model can
 # otherwise fill with newlines until max_tokens.
@@ -165,13 +167,15 @@ class MaskFiller:
     def __init__(self, words: int, threads: int = 1, overlap: bool = False) -> None:
         self.words = words
         self._buffer = array("i")
+        self._ready = array("i", [1])  # one flag, so that a decode run's pointer to it holds
         self._pool = llguidance.LLExecutor(threads) if threads > 1 else None
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="cllm-masks") if overlap
                         else None)
 
-    def fill(self, matchers: list[llguidance.LLMatcher]) -> Masks:
-        """The bitmasks of `matchers`, in order, in one flat int32 buffer (reused: wait for
-        them and pass them to the core before filling again)."""
+    def fill(self, matchers: list[llguidance.LLMatcher | None]) -> Masks:
+        """The bitmasks of `matchers`, in order (None: leave that one as it is), in one flat
+        int32 buffer: reused, so wait for them and pass them to the core before filling again.
+        Filling as many as last time keeps the buffer where it was."""
         size = len(matchers) * self.words
         if len(self._buffer) < size:
             self._buffer = array("i", bytes(4 * size))
@@ -179,22 +183,67 @@ class MaskFiller:
         if self._worker is None:
             self._fill(matchers)
             return Masks(data)
-        ready = array("i", [0])
-        return Masks(data, ready, self._worker.submit(self._fill, matchers, ready))
+        self._ready[0] = 0
+        return Masks(data, self._ready, self._worker.submit(self._fill, matchers, self._ready))
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=False)
 
-    def _fill(self, matchers: list[llguidance.LLMatcher], ready: array | None = None) -> None:
+    def _fill(self, matchers: list[llguidance.LLMatcher | None],
+              ready: array | None = None) -> None:
         try:
             address, nbytes = self._buffer.buffer_info()[0], 4 * self.words
-            if self._pool is not None and len(matchers) >= self.MIN_PARALLEL_ROWS:
-                self._pool.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
-                                                   address, nbytes, len(matchers))
+            rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+            if self._pool is not None and len(rows) >= self.MIN_PARALLEL_ROWS:
+                self._pool.unsafe_compute_mask_ptr(rows, address, nbytes, len(matchers))
                 return
-            for i, matcher in enumerate(matchers):  # each call releases the GIL
+            for matcher, i in rows:  # each call releases the GIL
                 matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
         finally:
             if ready is not None:
                 ready[0] = 1  # also after a failure: the core must never wait forever
+
+
+def grammar_end(matcher: llguidance.LLMatcher, token: int) -> tuple[str, str | None] | None:
+    """Feed a sequence's new token to its matcher: (finish reason, error) when the sequence
+    ends there (its grammar is complete, or, a bug, refused the token), else None."""
+    if not matcher.consume_token(token):
+        return FINISH_ERROR, f"the grammar refused a token: {matcher.get_error()}"
+    if matcher.is_stopped():
+        return FINISH_STOP, None
+    return None
+
+
+class RunMatchers:
+    """The constrained rows of a decode run, as Context.decode_run's `after_step`: after each
+    step, each row that goes on feeds its token to its matcher; the rows whose grammar that
+    ends stop, and the others' bitmasks are refilled for the next step, in the same places of
+    the buffer (`mask_rows` keeps naming them)."""
+
+    def __init__(self, filler: MaskFiller, mask_rows: array, matchers: list) -> None:
+        self.mask_rows = mask_rows  # per run row: its bitmask, or -1
+        self.masks = filler.fill(matchers)  # the first step's
+        self.ends: dict[int, tuple[str, str | None]] = {}  # run row → (finish reason, error)
+        self._filler = filler
+        self._matchers = list(matchers)  # per bitmask; None once its row has stopped
+        self._rows = [r for r, m in enumerate(mask_rows) if m >= 0]  # per bitmask, in order
+
+    def after_step(self, going_on: array, more: bool) -> list[int]:
+        self.masks.wait()  # the core waited for them, unless none of their rows ran
+        ended = []
+        for m, r in enumerate(self._rows):
+            matcher = self._matchers[m]
+            if matcher is None:
+                continue
+            if going_on[r] < 0:  # an end token or its budget stopped it in the core
+                self._matchers[m] = None
+                continue
+            end = grammar_end(matcher, going_on[r])
+            if end is not None:
+                self.ends[r] = end
+                self._matchers[m] = None
+                ended.append(r)
+        if more and any(m is not None for m in self._matchers):
+            self.masks = self._filler.fill(self._matchers)
+        return ended

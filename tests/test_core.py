@@ -228,6 +228,58 @@ def test_a_step_waits_for_bitmasks_another_thread_is_still_filling(ctx, model):
         assert list(out) == [allowed]
 
 
+def only(token: int, words: int) -> array:
+    """A bitmask that allows `token` alone."""
+    mask = array("i", bytes(4 * words))
+    mask[token // 32] = 1 << (token % 32) if token % 32 < 31 else -(1 << 31)
+    return mask
+
+
+def test_a_decode_run_advances_constrained_rows_between_its_steps(ctx, model):
+    """after_step sees each going-on row's token after every step, the bitmasks it refills
+    hold in the next step, and a row it ends stops there while the others run on."""
+    tokens = [model.tokenize(p) for p in PROMPTS[:2]]
+    firsts, seen = [101, 202, 303], []
+    masks = only(firsts[0], ctx.mask_words)
+
+    def after_step(going_on, more):
+        seen.append((list(going_on), more))
+        if len(seen) < len(firsts):
+            masks[:] = only(firsts[len(seen)], ctx.mask_words)
+        return [0] if len(seen) == len(firsts) else []
+
+    for seq_id in (0, 1):
+        ctx.set_sampler(seq_id, ban_eog=True, host_logits=seq_id == 0)
+    first = ctx.step(ints([0, 1]), ints([0, 0]), ints([len(t) for t in tokens]), ints([1, 1]),
+                     ints(tokens[0] + tokens[1]))
+    run, counts = ctx.decode_run(ints([0, 1]), ints([len(t) for t in tokens]), first,
+                                 ints([8, 8]), 8, ints([0, -1]), masks, None, after_step)
+    free = generate_together(ctx, model, PROMPTS[1:2], 9, seq_ids=[5], ban_eog=True)[0]
+    for seq_id in (0, 1):
+        ctx.remove_sequence(seq_id)
+    assert list(counts) == [3, 8]
+    assert list(run[:3]) == firsts and list(run[8:16]) == free[1:]
+    # -1: the row stopped, ended by after_step (row 0) or by its budget (row 1, last step)
+    assert [going_on[0] for going_on, _ in seen] == firsts + [-1] * 5
+    assert [going_on[1] for going_on, _ in seen] == free[1:8] + [-1]
+    assert [more for _, more in seen] == [True] * 7 + [False]
+
+
+def test_what_after_step_raises_ends_the_run_and_is_raised(ctx, model):
+    tokens = model.tokenize(PROMPTS[0])
+    ctx.set_sampler(3, host_logits=True, ban_eog=True)
+    first = ctx.step(ints([3]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+
+    def after_step(going_on, more):
+        raise RuntimeError("a matcher broke")
+
+    with pytest.raises(RuntimeError, match="a matcher broke"):
+        ctx.decode_run(ints([3]), ints([len(tokens)]), first, ints([8]), 8, ints([0]),
+                       array("i", [-1]) * ctx.mask_words, None, after_step)
+    assert ctx.seq_pos_max(3) == len(tokens)  # one step ran: it fed the first token
+    ctx.remove_sequence(3)
+
+
 @pytest.fixture(scope="module")
 def graph_ctx(model):
     """A context that samples greedy sequences inside llama.cpp's graph (backend sampling:

@@ -262,34 +262,54 @@ def test_a_preempted_constrained_request_resumes_where_it_was(model_path, engine
         eng.shutdown()
 
 
+class RunLog:
+    """The engine's context, noting how many constrained rows each decode run carried."""
+
+    def __init__(self, ctx):
+        self._ctx, self.constrained = ctx, []
+
+    def decode_run(self, *args):
+        mask_rows = args[5] if len(args) > 5 else None
+        self.constrained.append(0 if mask_rows is None else sum(m >= 0 for m in mask_rows))
+        return self._ctx.decode_run(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
 @ON_GPU_NOT_BATCH_INVARIANT  # the texts these expect are the CPU's
-def test_decode_runs_stop_at_constrained_rows(model_path, engine):
-    """With several decode steps per call, a step holding a constrained row runs one token."""
-    prompts = [chat_prompt("Tell me about the sea."), chat_prompt("What is a cat?")]
-    runs = Engine(EngineConfig(n_ctx=8 * 512, n_parallel=8, n_threads=2, kv_unified=False,
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_decode_runs_carry_constrained_rows_to_the_same_outputs(model_path, engine, overlap):
+    """With several decode steps per call into C, constrained rows run in them (their matchers
+    advancing between steps, a finished grammar ending its row mid-run) and give, token for
+    token, what one step at a time gives, free rows beside them too; also with the bitmasks
+    filled while each step decodes (a GPU build's way)."""
+    free = [chat_prompt("Tell me about the sea."), chat_prompt("What is a cat?")]
+
+    async def scenario(eng):
+        jobs = [run_tokens(eng, eng.model.tokenize(p), max_tokens=32, temperature=0)
+                for p in free]
+        jobs += [run_tokens(eng, eng.model.tokenize(chat_prompt(ask_for(item))),
+                            **constrained(eng, schema=item["schema"], max_tokens=MAX_TOKENS,
+                                          **sampling))
+                 for item in SCHEMAS[:4] for sampling in (dict(temperature=0),
+                                                          dict(temperature=0.8, seed=5))]
+        return await asyncio.gather(*jobs)
+
+    runs = Engine(EngineConfig(n_ctx=16 * 512, n_parallel=16, n_threads=2, kv_unified=False,
                                decode_steps=8), model_path)
     try:
-        async def scenario():
-            free = [run_tokens(runs, runs.model.tokenize(p), max_tokens=32, temperature=0)
-                    for p in prompts]
-            bound = [run_tokens(runs, runs.model.tokenize(chat_prompt(ask_for(item))),
-                                **constrained(runs, schema=item["schema"], temperature=0,
-                                              max_tokens=MAX_TOKENS))
-                     for item in SCHEMAS[:4]]
-            return await asyncio.gather(*free, *bound)
-
-        async def one_step_at_a_time():
-            return await asyncio.gather(*(run_tokens(engine, engine.model.tokenize(p),
-                                                     max_tokens=32, temperature=0)
-                                          for p in prompts))
-
-        results = asyncio.run(scenario())
-        alone = asyncio.run(one_step_at_a_time())
-        assert [r[1] for r in results[:2]] == [r[1] for r in alone]
-        for item, (text, _, _) in zip(SCHEMAS[:4], results[2:]):
-            assert validates(text, item["schema"])
+        runs.ctx = log = RunLog(runs.ctx)
+        if overlap:
+            runs._masks = MaskFiller(runs.ctx.mask_words, threads=2, overlap=True)
+        results = asyncio.run(scenario(runs))
+        assert_idle(runs)
     finally:
         runs.shutdown()
+    assert [ids for _, ids, _ in results] == [ids for _, ids, _ in asyncio.run(scenario(engine))]
+    assert max(log.constrained) == 8  # every constrained row ran in decode runs
+    for i, (text, _, final) in enumerate(results[2:]):
+        assert final.finish_reason == "stop" and validates(text, SCHEMAS[i // 2]["schema"])
 
 
 # ---- HTTP: response_format, json_schema, grammar ----
