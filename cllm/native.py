@@ -77,17 +77,16 @@ def timings(prompt_n: int, predicted_n: int, seconds: dict[str, float]) -> dict:
 
 
 class NativeCompletionFormat(Format):
-    """/completion's events and response. `is_eog` tells an end-of-generation token (stop_type
-    "eos") from a stop string ("word")."""
+    """/completion's events and response. A stop string ends with stop_type "word"; an
+    end-of-generation token, or a grammar's end (where llama-server samples one), with "eos"."""
 
     def __init__(self, *args, prompt: str | list[int], n_prompt: int,
-                 settings: SamplingParams, is_eog, detokenize, return_tokens: bool,
+                 settings: SamplingParams, detokenize, return_tokens: bool,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.prompt = prompt
         self.n_prompt = n_prompt
         self.settings = settings
-        self.is_eog = is_eog
         self.detokenize = detokenize
         self.return_tokens = return_tokens
         self._streamed = Choice()  # what a stream has sent so far
@@ -119,7 +118,9 @@ class NativeCompletionFormat(Format):
 
     def _final(self, choice: Choice, *, content: str, tokens: list[int]) -> dict:
         s = self.settings
-        stop_type = self._stop_type(choice)
+        stopping_word = matched_stop(self.detokenize(choice.token_ids), s.stop) or ""
+        stop_type = ("limit" if choice.finish_reason == FINISH_LENGTH
+                     else "word" if stopping_word else "eos")
         return {
             "index": 0, "content": content, "tokens": self._tokens(tokens), "id_slot": -1,
             "stop": True, "model": self.model, "tokens_predicted": choice.completion_tokens,
@@ -131,17 +132,9 @@ class NativeCompletionFormat(Format):
                 "frequency_penalty": s.frequency_penalty, "seed": s.seed, "stop": list(s.stop),
                 "ignore_eos": s.ignore_eos},
             "prompt": self.prompt, "has_new_line": "\n" in choice.text, "truncated": False,
-            "stop_type": stop_type, "stopping_word": (
-                matched_stop(self.detokenize(choice.token_ids), s.stop) or ""
-                if stop_type == "word" else ""),
+            "stop_type": stop_type, "stopping_word": stopping_word,
             "tokens_cached": choice.cached_tokens,
             "timings": timings(choice.prompt_tokens, choice.completion_tokens, choice.timings)}
-
-    def _stop_type(self, choice: Choice) -> str:
-        if choice.finish_reason == FINISH_LENGTH:
-            return "limit"
-        last = choice.token_ids[-1] if choice.token_ids else -1
-        return "eos" if last >= 0 and self.is_eog(last) else "word"
 
 
 # ---- routes ----
@@ -154,7 +147,7 @@ async def completion(request: Request, state: AppState) -> Response:
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
         engine, req.prompt, add_special=True)
     fmt = new_format(NativeCompletionFormat, request, "cmpl", sampling, prompt=req.prompt,
-                     n_prompt=len(prompt), settings=sampling, is_eog=engine.model.is_eog,
+                     n_prompt=len(prompt), settings=sampling,
                      detokenize=engine.model.detokenize, return_tokens=req.return_tokens)
     return await respond(request, fmt, prompt, sampling, 1, req.stream, False, req.cache_prompt)
 

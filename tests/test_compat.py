@@ -11,7 +11,7 @@ import pytest
 
 from http_checks import assert_error, post_stream, sse_payloads
 from server_process import ServerProcess
-from test_core import ON_GPU_NOT_BATCH_INVARIANT
+from test_core import ENDS_AT_ONCE, ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -143,10 +143,13 @@ def test_native_completion_stop_types(http):
     word = http.post("/completion", json={"prompt": PROMPT, "n_predict": 50,
                                            "temperature": 0, "stop": [" "]}).json()
     assert word["stop_type"] == "word" and " " not in word["content"]
-    chat_prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
-    eos = http.post("/completion", json={"prompt": chat_prompt, "n_predict": 200,
+    eos = http.post("/completion", json={"prompt": ENDS_AT_ONCE, "n_predict": 200,
                                           "temperature": 0}).json()
     assert eos["stop_type"] == "eos" and eos["tokens_predicted"] < 200
+    # A grammar's end is an end of generation too (llama-server samples an end token there).
+    done = http.post("/completion", json={"prompt": PROMPT, "n_predict": 50, "stop": ["zzz"],
+                                           "grammar": 'root ::= "Hi there"'}).json()
+    assert (done["content"], done["stop_type"], done["stopping_word"]) == ("Hi there", "eos", "")
 
 
 def test_native_completion_rejects_bad_input(http):
