@@ -627,12 +627,13 @@ cdef class Context:
         its own behind; DecodeError if the first step fails.
 
         Constrained rows: `mask_rows`, `masks` and `masks_ready`, as step() takes them, hold the
-        first step's bitmasks, and `after_step(going_on, more)` is called, with the GIL, after
-        every step: going_on[r] is the token row r sampled if the row goes on (neither its
-        budget nor an end token stopped it), else -1. It returns the rows that end there (their
-        grammar is complete), and, when `more`, refills `masks` in place for the next step
-        (`masks_ready` is nonzero once they are filled). What it raises ends the run and is
-        raised here."""
+        first step's bitmasks, and `after_step(going_on, more)` gets every step's tokens, with
+        the GIL, while the next step (if any: `more`) decodes: going_on[r] is the token row r
+        sampled if the row goes on (neither its budget nor an end token stopped it), else -1.
+        It returns the rows that end there (their grammar is complete: what the next step
+        computed for them is dropped), and, when `more`, refills `masks` in place for that
+        step (`masks_ready` is nonzero once they are filled). What it raises ends the run,
+        leaving no cell of the step in flight, and is raised here."""
         cdef Py_ssize_t n_rows = seq_ids.shape[0]
         if (positions.shape[0] != n_rows or last_tokens.shape[0] != n_rows
                 or budgets.shape[0] != n_rows):
@@ -684,13 +685,19 @@ cdef class Context:
                       const int[::1] last_tokens, const int[::1] budgets, int n_steps,
                       const uint32_t * masks, const int * row_masks,
                       int * tokens, int * counts) noexcept nogil:
-        cdef Py_ssize_t r, i, n, n_rows = seq_ids.shape[0]
+        """The run's steps. With bitmasks, each step's tokens go to after_step while the next
+        step decodes (on a GPU the matchers advance meanwhile); a row it ends was already fed
+        to that step, whose cell for it is removed and whose token for it is dropped."""
+        cdef Py_ssize_t r, i, n = 0, n_rows = seq_ids.shape[0]
         cdef int step
         cdef int32_t rc = 0
+        cdef int unheard = 0  # 1 + the step whose tokens have not gone to after_step; 0: none
         cdef int * rows = <int *> malloc(n_rows * sizeof(int))  # batch index → row
+        cdef int * sampled = <int *> calloc(n_rows, sizeof(int))  # 1 + the row's last step
         cdef unsigned char * ended = <unsigned char *> calloc(n_rows, 1)  # by after_step
-        if rows is NULL or ended is NULL:
+        if rows is NULL or sampled is NULL or ended is NULL:
             free(rows)
+            free(sampled)
             free(ended)
             return -3
         for step in range(n_steps):
@@ -712,6 +719,13 @@ cdef class Context:
             if rc != 0:
                 self._forget_step(n, rows, seq_ids, positions, counts)
                 break
+            if unheard:
+                if not self._end_constrained_rows(unheard, sampled, tokens, counts, budgets,
+                                                  n_steps, ended, True):
+                    unheard = 0
+                    self._forget_step(n, rows, seq_ids, positions, counts)
+                    break
+                unheard = 0
             for i in range(n):
                 r = rows[i]
                 self.out_seq[i] = seq_ids[r]
@@ -722,28 +736,35 @@ cdef class Context:
             self._sample_outputs(<int> n, self.out_tokens)
             for i in range(n):
                 r = rows[i]
+                if ended[r]:  # fed to this step before after_step ended it
+                    llama_memory_seq_rm(llama_get_memory(self.ctx), seq_ids[r],
+                                        positions[r] + counts[r], -1)
+                    continue
                 tokens[r * n_steps + counts[r]] = self.out_tokens[i]
                 counts[r] += 1
-            if masks != NULL and not self._end_constrained_rows(
-                    n, rows, tokens, counts, budgets, n_steps, ended,
-                    step + 1 < n_steps and not self._interrupted):
-                break
+                sampled[r] = step + 1
+            if masks != NULL:
+                unheard = step + 1
+        if unheard:  # the last step's tokens, with no step after them
+            self._end_constrained_rows(unheard, sampled, tokens, counts, budgets, n_steps,
+                                       ended, False)
         free(rows)
+        free(sampled)
         free(ended)
         return rc
 
-    cdef bint _end_constrained_rows(self, Py_ssize_t n, const int * rows, const int * tokens,
+    cdef bint _end_constrained_rows(self, int step, const int * sampled, const int * tokens,
                                     const int * counts, const int[::1] budgets, int n_steps,
                                     unsigned char * ended, bint more) noexcept with gil:
-        """A decode run's after_step, after the step that ran `rows`: mark the rows it ends.
-        False if it raised (kept for decode_run to raise)."""
+        """A decode run's after_step, for the tokens of the rows that sampled in step
+        `step` - 1 (sampled[r] == step): mark the rows it ends. False if it raised (kept for
+        decode_run to raise)."""
         cdef int * going_on = self._going_on.data.as_ints
-        cdef Py_ssize_t i, r, e, n_rows = budgets.shape[0]
+        cdef Py_ssize_t r, e, n_rows = budgets.shape[0]
         for r in range(n_rows):
             going_on[r] = -1
-        for i in range(n):
-            r = rows[i]
-            if self._continues(tokens + r * n_steps, counts[r], budgets[r]):
+            if (sampled[r] == step and not ended[r]
+                    and self._continues(tokens + r * n_steps, counts[r], budgets[r])):
                 going_on[r] = tokens[r * n_steps + counts[r] - 1]
         try:
             for e in self._after_step(self._going_on, more):

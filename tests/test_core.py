@@ -254,6 +254,8 @@ def test_a_decode_run_advances_constrained_rows_between_its_steps(ctx, model):
                      ints(tokens[0] + tokens[1]))
     run, counts = ctx.decode_run(ints([0, 1]), ints([len(t) for t in tokens]), first,
                                  ints([8, 8]), 8, ints([0, -1]), masks, None, after_step)
+    # row 0 holds its prompt, its first token, 101 and 202: not 303, fed before it was ended
+    assert ctx.seq_pos_max(0) == len(tokens[0]) + 2
     free = generate_together(ctx, model, PROMPTS[1:2], 9, seq_ids=[5], ban_eog=True)[0]
     for seq_id in (0, 1):
         ctx.remove_sequence(seq_id)
