@@ -172,15 +172,16 @@ class MaskFiller:
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="cllm-masks") if overlap
                         else None)
 
-    def fill(self, matchers: list[llguidance.LLMatcher | None]) -> Masks:
+    def fill(self, matchers: list[llguidance.LLMatcher | None], now: bool = False) -> Masks:
         """The bitmasks of `matchers`, in order (None: leave that one as it is), in one flat
         int32 buffer: reused, so wait for them and pass them to the core before filling again.
-        Filling as many as last time keeps the buffer where it was."""
+        Filling as many as last time keeps the buffer where it was. `now`: filled before this
+        returns, also where they would overlap (the caller's step is decoding already)."""
         size = len(matchers) * self.words
         if len(self._buffer) < size:
             self._buffer = array("i", bytes(4 * size))
         data = memoryview(self._buffer)[:size]
-        if self._worker is None:
+        if self._worker is None or now:
             self._fill(matchers)
             return Masks(data)
         self._ready[0] = 0
@@ -216,10 +217,11 @@ def grammar_end(matcher: llguidance.LLMatcher, token: int) -> tuple[str, str | N
 
 
 class RunMatchers:
-    """The constrained rows of a decode run, as Context.decode_run's `after_step`: after each
-    step, each row that goes on feeds its token to its matcher; the rows whose grammar that
-    ends stop, and the others' bitmasks are refilled for the next step, in the same places of
-    the buffer (`mask_rows` keeps naming them)."""
+    """The constrained rows of a decode run, as Context.decode_run's `after_step`, which the
+    core calls while the next step decodes: each row that goes on feeds its token to its
+    matcher; the rows whose grammar that ends stop, and the others' bitmasks are refilled for
+    the next step, in the same places of the buffer (`mask_rows` keeps naming them), at once:
+    handing them to the filler's thread would cost two more handovers of the GIL a step."""
 
     def __init__(self, filler: MaskFiller, mask_rows: array, matchers: list) -> None:
         self.mask_rows = mask_rows  # per run row: its bitmask, or -1
@@ -245,5 +247,5 @@ class RunMatchers:
                 self._matchers[m] = None
                 ended.append(r)
         if more and any(m is not None for m in self._matchers):
-            self.masks = self._filler.fill(self._matchers)
+            self.masks = self._filler.fill(self._matchers, now=True)
         return ended

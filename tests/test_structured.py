@@ -540,7 +540,9 @@ def test_a_tool_result_in_the_history_round_trips(client):
     first = client.chat.completions.create(
         model="m", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=100,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        parallel_tool_calls=False).choices[0].message
+        parallel_tool_calls=False).choices[0]
+    assert first.message.tool_calls, first
+    first = first.message
     history = ASK + [first.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": first.tool_calls[0].id,
                       "content": '{"temperature": 21, "sky": "clear"}'}]
