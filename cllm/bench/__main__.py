@@ -152,7 +152,8 @@ def _print_run(run: dict) -> None:
     m = run["metrics"]
     cached = "" if m["cached_share"] is None else f", {m['cached_share']:.0%} of prompt cached"
     good = f", {m['goodput']['request_goodput']:.2f} good req/s" if "goodput" in m else ""
-    say(f"{run['server']} {run['level']}: {m['completed']} ok, {m['failed']} failed, "
+    resent = f" ({m['resent']} sent again on a new connection)" if m["resent"] else ""
+    say(f"{run['server']} {run['level']}: {m['completed']} ok{resent}, {m['failed']} failed, "
         f"{m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50'] or 0:.1f} ms"
         f"{cached}{good}")
 

@@ -77,6 +77,7 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     last_arrival: float | None = None  # when the latest chunk with output came
+    resent: bool = False  # the server closed the first connection before answering
 
     def arrive(self, now: float) -> None:
         """A chunk carrying output came at `now`: the first sets ttft, each later one a gap."""
@@ -236,17 +237,37 @@ class HttpTarget:
             return RequestResult(start=start, end=time.perf_counter(),
                                  error=f"{type(e).__name__}: {e}".rstrip(": "))
 
+    async def _open(self, prompt: Prompt) -> tuple[httpx.Response, bool]:
+        """The response, once its head has come, and whether the request was sent twice: a
+        server may close a kept-alive connection as the request goes out on it (llama-server
+        did, several times a level), and clients such as the openai SDK send it again on a new
+        connection; so does this one, once, and the result says so."""
+        request = self.client.build_request("POST", self.endpoint_url, json=self.body(prompt))
+        try:
+            return await self.client.send(request, stream=True), False
+        except httpx.RemoteProtocolError:
+            return await self.client.send(request, stream=True), True
+
     async def _send_streaming(self, prompt: Prompt, start: float) -> RequestResult:
-        async with self.client.stream("POST", self.endpoint_url, json=self.body(prompt)) as resp:
+        resp, resent = await self._open(prompt)
+        try:
             if resp.status_code != 200:
                 return await _http_failure(resp, start)
             parser = StreamParser(start)
             async for line in resp.aiter_lines():
                 parser.feed(line, time.perf_counter())
-            return parser.finish(time.perf_counter())
+            result = parser.finish(time.perf_counter())
+        finally:
+            await resp.aclose()
+        result.resent = resent
+        return result
 
     async def _send_whole(self, prompt: Prompt, start: float) -> RequestResult:
-        resp = await self.client.post(self.endpoint_url, json=self.body(prompt))
+        resp, resent = await self._open(prompt)
+        try:
+            await resp.aread()
+        finally:
+            await resp.aclose()
         if resp.status_code != 200:
             return await _http_failure(resp, start)
         end = time.perf_counter()
@@ -257,7 +278,7 @@ class HttpTarget:
         r = RequestResult(start=start, end=end, ttft=end - start, streamed=False,
                           output_tokens=usage.get("completion_tokens", 0),
                           text=choice_text(choices[0]),
-                          finish_reason=choices[0].get("finish_reason"))
+                          finish_reason=choices[0].get("finish_reason"), resent=resent)
         read_prompt_usage(r, payload)
         if not usage:
             r.error = "response has no usage"

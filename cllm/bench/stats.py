@@ -69,6 +69,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "failures": dict(Counter(r.error for r in results if not r.ok).most_common()),
+        "resent": sum(r.resent for r in results),  # sent again on a new connection
         "duration_s": duration,
         "total_output_tokens": output,
         "total_input_tokens": sum(prompt_counts),

@@ -29,10 +29,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._send(200, "application/json", json.dumps({"data": [{"id": "fake-model"}]}).encode())
 
+    dropped: set[str] = set()  # "drop once ..." prompts whose first connection was closed
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt, stream = body["prompt"], body["stream"]
-        if prompt in ("500", "429"):
+        if prompt == "drop always" or (prompt.startswith("drop once")
+                                       and prompt not in self.dropped):
+            self.dropped.add(prompt)
+            self.close_connection = True  # as a server closing a kept-alive connection
+        elif prompt in ("500", "429"):
             error = {"error": {"message": f"status {prompt}", "code": int(prompt)}}
             self._send(int(prompt), "application/json", json.dumps(error).encode())
         elif prompt == "empty":
@@ -101,3 +107,14 @@ def test_connection_refused_is_recorded():
 
     results, _ = asyncio.run(run())
     assert results[0].error.startswith("ConnectError")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_connection_closed_before_the_answer_is_sent_again_once(url, stream):
+    prompts = [f"drop once {stream}", "drop always", "ok"]
+    results, duration = asyncio.run(_run(url, prompts, stream))
+    again, always, ok = results
+    assert again.ok and again.output_tokens == 2 and again.resent
+    assert always.error.startswith("RemoteProtocolError") and not always.ok
+    assert ok.ok and not ok.resent
+    assert summarize(results, duration)["resent"] == 1
