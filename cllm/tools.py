@@ -11,6 +11,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from cllm.structured import closed_objects
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -94,7 +96,7 @@ def _as_text(message: dict) -> dict:
 
 def _call_schema(tool: Tool) -> dict:
     return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": tool.parameters},
+                                             "arguments": closed_objects(tool.parameters)},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 

@@ -89,6 +89,25 @@ def test_requests_bringing_one_new_grammar_together_compile_it_once(engine, monk
     assert translated.count(bad) == 1
 
 
+def _takes(engine, schema: dict, text: str) -> bool:
+    """Whether the grammar of `schema` lets `text`'s tokens through in full."""
+    matcher = engine.grammars.json_schema(schema).matcher()
+    tokens = engine.model.tokenize(text, add_special=False)
+    return matcher.validate_tokens(tokens) == len(tokens)
+
+
+def test_an_object_listing_its_properties_takes_no_others_unless_it_says_so(engine):
+    """As llama-server reads such schemas (JSON Schema's default allows any)."""
+    inner = {"type": "object", "properties": {"city": {"type": "string"}}}
+    closed = {"type": "object", "properties": {"where": inner}}
+    assert _takes(engine, closed, '{"where": {"city": "Paris"}}')
+    assert not _takes(engine, closed, '{"where": {"city": "Paris", "temperature": 21}}')
+    assert not _takes(engine, closed, '{"where": {"city": "Paris"}, "temperature": 21}')
+    opened = {**closed, "additionalProperties": {"type": "integer"}}
+    assert _takes(engine, opened, '{"where": {"city": "Paris"}, "temperature": 21}')
+    assert _takes(engine, {"type": "object"}, '{"temperature": 21}')
+
+
 @pytest.mark.parametrize("compile_, source, problem", [
     ("json_schema", {"type": "foo"}, "foo"),
     ("json_schema", {"type": "string", "pattern": "(("}, "unclosed group"),
