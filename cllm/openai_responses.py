@@ -51,6 +51,13 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> ResponsesRequest:
                             sampling=api._sampling(body, max_tokens, None))
 
 
+def error_event(error: APIError, sequence_number: int) -> dict:
+    """What ends a stream that failed (OpenAI's ResponseErrorEvent): also sent by a scale-out
+    front whose replica died mid-stream, numbered after the last event it relayed."""
+    return {"type": "error", "sequence_number": sequence_number, "code": error.code,
+            "message": error.message, "param": error.param}
+
+
 def _input(value: object) -> list[dict]:
     if isinstance(value, str) and value:
         return [{"role": "user", "content": value}]
@@ -90,7 +97,8 @@ class ResponsesFormat(TypedEventsFormat):
         self._streamed = Choice()
 
     def error_body(self, error: APIError) -> dict:
-        return self._event("error", code=error.code, message=error.message, param=error.param)
+        self._sequence += 1
+        return error_event(error, self._sequence - 1)
 
     def response(self, choices: list[Choice]) -> dict:
         (choice,) = choices

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from starlette.responses import Response
 from cllm import metrics, routing
 from cllm.api import APIError
 from cllm.config import ServerConfig
+from cllm.openai_responses import error_event
 from cllm.responses import sse_event, typed_event
 from cllm.serve import app_for
 from cllm.server import access_checks, error_response, error_shape, read_body
@@ -231,11 +233,13 @@ def _json_or_none(body: bytes) -> object:
 class Relay(Response):
     """Sends an Engine replica's ASGI messages on. If the replica dies (or cannot be reached)
     the client gets a stated 503, `replica_failed`: as the response if none had started,
-    else as a last SSE event, so no client waits on a replica that is gone."""
+    else as the last event of its stream, in the route's shape, so no client waits on a
+    replica that is gone."""
 
     def __init__(self, messages: DeploymentResponseGenerator, path: str) -> None:
         self.messages = messages
         self.path = path
+        self._next_sequence = 0  # /v1/responses: the number of the stream's next event
 
     async def __call__(self, scope, receive, send) -> None:
         started = False
@@ -243,6 +247,8 @@ class Relay(Response):
             async for batch in self.messages:
                 for message in batch:
                     started = started or message["type"] == "http.response.start"
+                    if message["type"] == "http.response.body":
+                        self._count_events(message.get("body", b""))
                     await send(message)
         except ray.exceptions.RayError as exc:
             log.warning("replica failed on %s: %s", self.path, exc)
@@ -251,11 +257,26 @@ class Relay(Response):
             if not started:
                 await error_response(error, error_shape(self.path))(scope, receive, send)
                 return
-            payload = error_shape(self.path)(error)
-            event = typed_event(payload) if "type" in payload else sse_event(payload)
-            await send({"type": "http.response.body", "body": event, "more_body": False})
+            await send({"type": "http.response.body", "body": self._stream_error(error),
+                        "more_body": False})
         finally:
             self.messages.cancel()  # a no-op once it ended; else the replica sees a disconnect
+
+    def _count_events(self, body: bytes) -> None:
+        if self.path == "/v1/responses":
+            numbers = _SEQUENCE_NUMBER.findall(body)
+            if numbers:
+                self._next_sequence = int(numbers[-1]) + 1
+
+    def _stream_error(self, error: APIError) -> bytes:
+        if self.path == "/v1/responses":
+            return typed_event(error_event(error, self._next_sequence))
+        payload = error_shape(self.path)(error)
+        return typed_event(payload) if "type" in payload else sse_event(payload)
+
+
+# How a /v1/responses event numbers itself (responses.sse_event writes compact JSON).
+_SEQUENCE_NUMBER = re.compile(rb'"sequence_number":(\d+)')
 
 
 class Board:

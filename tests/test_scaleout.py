@@ -131,18 +131,26 @@ def test_metrics_cover_every_replica(http):
     pytest.fail(f"/metrics did not show two replicas:\n{text[:2000]}")
 
 
-def test_a_replica_killed_mid_stream_ends_its_stream_with_a_stated_error(http):
-    body = {"prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Write a long story.", "max_tokens": 400}),
+    ("/v1/responses", {"input": "Write a long story.", "max_output_tokens": 400}),
+])
+def test_a_replica_killed_mid_stream_ends_its_stream_with_a_stated_error(http, path, body):
     events = []
-    with http.stream("POST", "/v1/completions", json=body, timeout=60) as r:
+    with http.stream("POST", path, json={**body, "ignore_eos": True, "stream": True},
+                     timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         events.append(next(line for line in lines if line.startswith("data: ")))
         os.kill(int(r.headers["x-cllm-replica-pid"]), signal.SIGKILL)
         events += [line for line in lines if line.startswith("data: ")]
-    last = json.loads(events[-1].removeprefix("data: "))
-    assert last["error"]["code"] == "replica_failed", events[-3:]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events]
+    last = payloads[-1]
+    if path == "/v1/responses":  # the route's own error event, numbered after the others
+        assert (last["type"], last["code"]) == ("error", "replica_failed"), events[-3:]
+        assert last["sequence_number"] == payloads[-2]["sequence_number"] + 1
+    else:
+        assert last["error"]["code"] == "replica_failed", events[-3:]
     for i in range(4):  # the other replica serves while Ray replaces the dead one
         later = http.post("/v1/completions", json={"prompt": f"Hello {i}", "max_tokens": 2})
         assert later.status_code == 200, later.text
