@@ -251,12 +251,12 @@ class RunMatchers:
     handing them to the filler's thread would cost two more handovers of the GIL a step."""
 
     def __init__(self, filler: MaskFiller, mask_rows: array, matchers: list) -> None:
-        self.mask_rows = mask_rows  # per run row: its bitmask, or -1
         self.masks = filler.fill(matchers)  # the first step's
         self.ends: dict[int, tuple[str, str | None]] = {}  # run row → (finish reason, error)
         self._filler = filler
         self._matchers = list(matchers)  # per bitmask; None once its row has stopped
-        self._rows = [r for r, m in enumerate(mask_rows) if m >= 0]  # per bitmask, in order
+        # mask_rows[r]: run row r's bitmask, or -1; so the rows of the bitmasks, in order
+        self._rows = [r for r, m in enumerate(mask_rows) if m >= 0]
 
     def after_step(self, going_on: array, more: bool) -> list[int]:
         self.masks.wait()  # the core waited for them, unless none of their rows ran
