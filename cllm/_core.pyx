@@ -650,7 +650,8 @@ cdef class Context:
         cdef const int * row_masks = &mask_rows[0] if mask_data != NULL else NULL
         cdef int32_t rc
         self._after_step = after_step
-        self._going_on = carray.clone(_INT_ARRAY, n_rows, False)
+        if after_step is not None:
+            self._going_on = carray.clone(_INT_ARRAY, n_rows, False)
         self._after_step_error = None
         self.masks_ready = &masks_ready[0] if masks_ready is not None else NULL
         try:
@@ -659,7 +660,7 @@ cdef class Context:
                                row_masks, tokens.data.as_ints, counts.data.as_ints)
         finally:
             self.masks_ready = NULL
-            self._after_step = None
+            self._after_step = self._going_on = None
         if self._after_step_error is not None:
             error, self._after_step_error = self._after_step_error, None
             raise error

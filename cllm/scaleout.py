@@ -239,7 +239,9 @@ class Relay(Response):
     def __init__(self, messages: DeploymentResponseGenerator, path: str) -> None:
         self.messages = messages
         self.path = path
-        self._next_sequence = 0  # /v1/responses: the number of the stream's next event
+        # /v1/responses numbers its events: an error event must follow the last one relayed.
+        self._numbered = path == "/v1/responses"
+        self._next_sequence = 0
 
     async def __call__(self, scope, receive, send) -> None:
         started = False
@@ -247,7 +249,7 @@ class Relay(Response):
             async for batch in self.messages:
                 for message in batch:
                     started = started or message["type"] == "http.response.start"
-                    if message["type"] == "http.response.body":
+                    if self._numbered and message["type"] == "http.response.body":
                         self._count_events(message.get("body", b""))
                     await send(message)
         except ray.exceptions.RayError as exc:
@@ -263,13 +265,12 @@ class Relay(Response):
             self.messages.cancel()  # a no-op once it ended; else the replica sees a disconnect
 
     def _count_events(self, body: bytes) -> None:
-        if self.path == "/v1/responses":
-            numbers = _SEQUENCE_NUMBER.findall(body)
-            if numbers:
-                self._next_sequence = int(numbers[-1]) + 1
+        numbers = _SEQUENCE_NUMBER.findall(body)
+        if numbers:
+            self._next_sequence = int(numbers[-1]) + 1
 
     def _stream_error(self, error: APIError) -> bytes:
-        if self.path == "/v1/responses":
+        if self._numbered:
             return typed_event(error_event(error, self._next_sequence))
         payload = error_shape(self.path)(error)
         return typed_event(payload) if "type" in payload else sse_event(payload)
