@@ -64,7 +64,8 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                                                                     n_threads=threads))
     apply_cpu_wait(config.engine.cpu_wait, threads)  # decided here, applied in the replicas
     parallel = config.engine.n_parallel
-    plan = Plan(replicas=replicas, min_replicas=options["min_replicas"],
+    plan = Plan(replicas=replicas, fronts=options["front_replicas"],
+                min_replicas=options["min_replicas"],
                 max_replicas=options["max_replicas"],
                 target_ongoing_requests=options["target_ongoing_requests"] or parallel,
                 max_ongoing_requests=options["max_ongoing_requests"] or 2 * parallel,

@@ -44,6 +44,7 @@ REPORT_PERIOD = 2.0  # seconds between a replica's metrics reports to the board
 class Plan:
     """How the application is laid out, from the command line (serve.py)."""
     replicas: int = 2
+    fronts: int = 1  # Front replicas: each reads, routes and relays its share of the requests
     min_replicas: int | None = None  # with max_replicas: autoscale between them
     max_replicas: int | None = None
     target_ongoing_requests: float = 16.0  # per replica, what the autoscaler aims at
@@ -62,8 +63,9 @@ class Plan:
             raise ValueError("give both --min-replicas and --max-replicas, or neither")
         if self.min_replicas is not None and not 0 < self.min_replicas <= self.max_replicas:
             raise ValueError("need 0 < min-replicas <= max-replicas")
-        if self.replicas < 1 or self.max_ongoing_requests < 1:
-            raise ValueError("replicas and max-ongoing-requests must be at least 1")
+        if self.replicas < 1 or self.fronts < 1 or self.max_ongoing_requests < 1:
+            raise ValueError("replicas, front-replicas and max-ongoing-requests must be at "
+                             "least 1")
 
 
 class PrefixRouter(RequestRouter):
@@ -315,6 +317,7 @@ def application(config: ServerConfig, plan: Plan) -> serve.Application:
                            "num_gpus": plan.gpus_per_replica,
                            "runtime_env": {"env_vars": plan.env_vars}},
         **scaling, **router).bind(config, board)
-    front = serve.deployment(Front, name="Front", ray_actor_options={"num_cpus": 0},
+    front = serve.deployment(Front, name="Front", num_replicas=plan.fronts,
+                             ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=config.max_connections)
     return front.bind(config, engine, board, plan.prefix_chars)

@@ -39,7 +39,9 @@ def mark():
 
 @pytest.fixture(scope="module")
 def server(mark):
-    process = ServerProcess("--replicas", "2", "--ctx-size", "2048", "--parallel", "4",
+    # Two fronts, each with its own router: a conversation must still keep to one replica.
+    process = ServerProcess("--replicas", "2", "--front-replicas", "2", "--ctx-size", "2048",
+                            "--parallel", "4",
                             "--api-key", KEY, startup_timeout=300)
     os.environ[MARK] = mark
     try:
@@ -159,6 +161,7 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_a_stated_error(http, p
 @pytest.mark.parametrize("fields, message", [
     ({"min_replicas": 1}, "--max-replicas"), ({"min_replicas": 3, "max_replicas": 2}, "min"),
     ({"router": "round-robin"}, "prefix or random"), ({"max_ongoing_requests": 0}, "at least 1"),
+    ({"fronts": 0}, "at least 1"),
 ])
 def test_a_plan_that_cannot_work_is_refused(fields, message):
     from cllm.scaleout import Plan
