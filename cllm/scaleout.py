@@ -137,8 +137,9 @@ class Engine:
     async def forward(self, key: str | None, scope: dict, body: bytes
                       ) -> AsyncIterator[list[dict]]:
         """Run one HTTP request through the app and yield its ASGI messages, those that
-        queued while the last batch travelled together. `key` is the router's (PrefixRouter);
-        cancelling this (the client left) is a disconnect for the app."""
+        queued while the last batch travelled together, their bodies joined into one message
+        (the front and Ray's proxy pay per message, whatever it holds). `key` is the router's
+        (PrefixRouter); cancelling this (the client left) is a disconnect for the app."""
         queue: asyncio.Queue[dict | None] = asyncio.Queue()
         gone = asyncio.Event()
         pending = [{"type": "http.request", "body": body, "more_body": False}]
@@ -164,7 +165,7 @@ class Engine:
             while not ended:
                 batch, ended = await _drain(queue)
                 if batch:
-                    yield batch
+                    yield _joined(batch)
         finally:
             gone.set()
 
@@ -176,6 +177,23 @@ async def _drain(queue: asyncio.Queue) -> tuple[list[dict], bool]:
     while not queue.empty():
         batch.append(queue.get_nowait())
     return [m for m in batch if m is not None], batch[-1] is None
+
+
+def _joined(batch: list[dict]) -> list[dict]:
+    """The batch with each run of body messages joined into one: the same bytes in order,
+    `more_body` as the run's last message says."""
+    joined: list[dict] = []
+    for message in batch:
+        last = joined[-1] if joined else {}
+        if message["type"] == last.get("type") == "http.response.body" and last["more_body"]:
+            last["body"] += message.get("body", b"")
+            last["more_body"] = message.get("more_body", False)
+        elif message["type"] == "http.response.body":  # a copy: the app's message stays as sent
+            joined.append({"type": message["type"], "body": message.get("body", b""),
+                           "more_body": message.get("more_body", False)})
+        else:
+            joined.append(message)
+    return joined
 
 
 class Front:

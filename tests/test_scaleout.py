@@ -169,6 +169,19 @@ def test_a_plan_that_cannot_work_is_refused(fields, message):
         Plan(**fields)
 
 
+def test_a_replica_joins_the_bodies_of_a_batch_into_one_message():
+    from cllm.scaleout import _joined
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    batch = [start, {"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True},
+             {"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True},
+             {"type": "http.response.body", "body": b"", "more_body": False}]
+    assert _joined(batch) == [start, {"type": "http.response.body",
+                                      "body": b"data: 1\n\ndata: 2\n\n", "more_body": False}]
+    assert batch[1]["body"] == b"data: 1\n\n"  # the app's own messages are left as they were
+    assert _joined(batch[1:3]) == [{"type": "http.response.body",
+                                    "body": b"data: 1\n\ndata: 2\n\n", "more_body": True}]
+
+
 def test_shutdown_leaves_no_ray_process(server, mark):
     assert len(ray_processes(mark)) > 3  # the driver, Ray's processes, the replicas
     assert server.stop(timeout=120) == 0
