@@ -7,9 +7,14 @@
 #   bash bench/gpu/ray_scaling.sh stage              carry .device/ray/r1  (Ray's wheels, half 1)
 #   bash bench/gpu/ray_scaling.sh install            carry .device/ray/r2  (half 2, installs)
 #   bash bench/gpu/ray_scaling.sh throughput [GPUS]  1..GPUS replicas at saturating concurrency
+#                                 (REPLICA_COUNTS="1 2 4" picks the counts, FRONTS="1 R" the
+#                                 front replicas tried with each, R: as many as replicas;
+#                                 PLAIN=0 leaves out the plain server)
 #   bash bench/gpu/ray_scaling.sh prefix             2 replicas: prefix-aware vs random routing
 #   bash bench/gpu/ray_scaling.sh proxy              the plain server vs Ray, one stream
-# GPUS defaults to the GPUs nvidia-smi lists. JSON (and each server's log) go to $OUT.
+# GPUS defaults to the GPUs nvidia-smi lists. JSON (and each server's log) go to $OUT, with
+# watch-TAG.txt for each Ray run: the busiest processes and each replica's running/waiting
+# requests every 2 s, and a py-spy profile of Ray's proxy and the fronts (where py-spy is).
 # A CPU trial of the same path (SITE: the PYTHONPATH where cllm and Ray are, CACHE: the models):
 #   SITE=... CACHE=~/.cache/cllm GPUS=2 SERVE_ARGS="--threads 1 --ctx-size 4096 --parallel 4"
 #   PER_REPLICA=4 MAX_TOKENS=8 REQUESTS_PER=2 bash bench/gpu/ray_scaling.sh throughput
@@ -23,6 +28,8 @@ SERVE_ARGS=${SERVE_ARGS:---parallel 64 --ctx-size 65536 --flash-attn on}
 PER_REPLICA=${PER_REPLICA:-64}   # concurrency that saturates one replica (its --parallel)
 MAX_TOKENS=${MAX_TOKENS:-128}
 REQUESTS_PER=${REQUESTS_PER:-4}  # requests per level, per concurrent stream
+FRONTS=${FRONTS:-1}
+PY_SPY=${PY_SPY:-$W/site/bin/py-spy}
 RAY_WHEEL=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 RAY_SHA256=b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a
 export CLLM_CACHE_DIR=${CACHE:-$W/cache} PYTHONPATH=${SITE:-$W/site}
@@ -69,6 +76,31 @@ bench() {
       | grep -v "^\s*$" | tail -6  # from /tmp: the source tree has no built extension
 }
 
+# watch TAG: while the benchmark runs (until watch_end), the 12 busiest processes and each
+# replica's running/waiting requests (from the front's /metrics) every 2 s; after 6 s, 8 s of
+# py-spy of Ray's proxy, the fronts and the replicas, so a ceiling names its process.
+watch() {
+  local file="$OUT/watch-$1.txt"
+  (while true; do
+     echo "== $(date +%T)"; top -c -b -n 2 -d 1 -w 160 | awk '/^top -/{n++} n==2' | sed -n '7,19p'
+     $PY -c "import urllib.request as u
+print(''.join(l for l in u.urlopen('$URL/metrics', timeout=2).read().decode().splitlines(True)
+              if l.startswith(('cllm_requests_running', 'cllm_requests_waiting'))))" 2>&1
+     sleep 1
+   done > "$file") &
+  WATCH_PID=$!
+  if [ -x "$PY_SPY" ]; then
+    (sleep 6
+     for pid in $(pgrep -f "ProxyActor|ServeReplica:cllm:(Front|Engine)"); do
+       "$PY_SPY" record --pid "$pid" --duration 8 --rate 200 --format raw --nonblocking \
+           --output "$OUT/prof-$1-$pid.txt" > /dev/null 2>&1 &
+       echo "$pid $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-120)" >> "$OUT/prof-$1-pids.txt"
+     done; wait) &
+    SPY_PID=$!
+  fi
+}
+watch_end() { kill "$WATCH_PID" 2>/dev/null; wait "${SPY_PID:-}" 2>/dev/null; SPY_PID=; }
+
 summary() {  # one line per server and level of this phase's JSON files
   $PY - "$OUT" "$@" <<'EOF'
 import json, sys, pathlib
@@ -99,16 +131,22 @@ install)
 throughput)  # tokens/s at saturating concurrency: the plain server, then Ray with 1..GPUS
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
   C=$PER_REPLICA
-  CUDA_VISIBLE_DEVICES=0 start plain || exit 1  # one card, as a replica has (not split)
-  bench plain-c$C --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
-        --prompt-tokens 128 --max-tokens $MAX_TOKENS
-  stop "$PID"
-  for R in $(seq 1 "$GPUS"); do
-    C=$((PER_REPLICA * R))
-    start ray-r$R --replicas $R || exit 1
-    bench ray-r$R-c$C --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
+  if [ "${PLAIN:-1}" = 1 ]; then  # PLAIN=0: Ray only
+    CUDA_VISIBLE_DEVICES=0 start plain || exit 1  # one card, as a replica has (not split)
+    bench plain-c$C --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
           --prompt-tokens 128 --max-tokens $MAX_TOKENS
     stop "$PID"
+  fi
+  for R in ${REPLICA_COUNTS:-$(seq 1 "$GPUS")}; do
+    for F in $(echo "${FRONTS//R/$R}" | tr ' ' '\n' | sort -nu); do
+      C=$((PER_REPLICA * R)); TAG=ray-r$R-f$F-c$C
+      start $TAG --replicas $R --front-replicas $F || exit 1
+      watch $TAG
+      bench $TAG --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
+            --prompt-tokens 128 --max-tokens $MAX_TOKENS
+      watch_end
+      stop "$PID"
+    done
   done
   summary plain- ray-r
   ;;
