@@ -9,7 +9,8 @@
 #   bash bench/gpu/ray_scaling.sh throughput [GPUS]  1..GPUS replicas at saturating concurrency
 #                                 (REPLICA_COUNTS="1 2 4" picks the counts, FRONTS="1 R" the
 #                                 front replicas tried with each, R: as many as replicas;
-#                                 PLAIN=0 leaves out the plain server)
+#                                 PLAIN=0 leaves out the plain server; CLIENTS=K drives each
+#                                 level from K benchmark processes, each a Kth of the streams)
 #   bash bench/gpu/ray_scaling.sh prefix             2 replicas: prefix-aware vs random routing
 #   bash bench/gpu/ray_scaling.sh proxy              the plain server vs Ray, one stream
 # GPUS defaults to the GPUs nvidia-smi lists. JSON (and each server's log) go to $OUT, with
@@ -101,6 +102,33 @@ print(''.join(l for l in u.urlopen('$URL/metrics', timeout=2).read().decode().sp
 }
 watch_end() { kill "$WATCH_PID" 2>/dev/null; wait "${SPY_PID:-}" 2>/dev/null; SPY_PID=; }
 
+# load TAG C ARGS...: C streams of 128-token prompts, REQUESTS_PER requests each, from CLIENTS
+# processes at once (tags TAG-k1..), so that one client process is not the ceiling.
+load() {
+  local tag=$1 c=$2 k=${CLIENTS:-1}; shift 2
+  if [ "$k" = 1 ]; then
+    bench "$tag" --concurrency "$c" --requests $((c * REQUESTS_PER)) --warmup "$c" \
+          --prompt-tokens 128 --max-tokens $MAX_TOKENS "$@"
+    return
+  fi
+  local clients=()
+  for i in $(seq "$k"); do
+    bench "$tag-k$i" --concurrency $((c / k)) --requests $((c * REQUESTS_PER / k)) \
+          --warmup $((c / k)) --prompt-tokens 128 --max-tokens $MAX_TOKENS "$@" > /dev/null &
+    clients+=($!)
+  done
+  wait "${clients[@]}"  # not the servers, which are background jobs too
+  $PY - "$OUT" "$tag" <<'EOF2'
+import json, pathlib, sys
+runs = [json.loads(p.read_text())["runs"][0]["metrics"]
+        for p in pathlib.Path(sys.argv[1]).glob(f"bench-{sys.argv[2]}-k*.json")]
+tokens = sum(m["total_output_tokens"] for m in runs)
+ttfts = ", ".join("%.0f" % m["ttft_ms"]["p50"] for m in runs)
+print(f"{sys.argv[2]}: {len(runs)} clients, {tokens / max(m['duration_s'] for m in runs):.1f} "
+      f"tok/s (all tokens over the longest client's time), TTFT p50 by client {ttfts} ms")
+EOF2
+}
+
 summary() {  # one line per server and level of this phase's JSON files
   $PY - "$OUT" "$@" <<'EOF'
 import json, sys, pathlib
@@ -133,8 +161,7 @@ throughput)  # tokens/s at saturating concurrency: the plain server, then Ray wi
   C=$PER_REPLICA
   if [ "${PLAIN:-1}" = 1 ]; then  # PLAIN=0: Ray only
     CUDA_VISIBLE_DEVICES=0 start plain || exit 1  # one card, as a replica has (not split)
-    bench plain-c$C --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
-          --prompt-tokens 128 --max-tokens $MAX_TOKENS
+    load plain-c$C $C
     stop "$PID"
   fi
   for R in ${REPLICA_COUNTS:-$(seq 1 "$GPUS")}; do
@@ -142,8 +169,7 @@ throughput)  # tokens/s at saturating concurrency: the plain server, then Ray wi
       C=$((PER_REPLICA * R)); TAG=ray-r$R-f$F-c$C
       start $TAG --replicas $R --front-replicas $F || exit 1
       watch $TAG
-      bench $TAG --concurrency $C --requests $((C * REQUESTS_PER)) --warmup $C \
-            --prompt-tokens 128 --max-tokens $MAX_TOKENS
+      load $TAG $C
       watch_end
       stop "$PID"
     done
