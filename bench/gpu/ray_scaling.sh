@@ -15,7 +15,8 @@
 #   bash bench/gpu/ray_scaling.sh proxy              the plain server vs Ray, one stream
 # GPUS defaults to the GPUs nvidia-smi lists. JSON (and each server's log) go to $OUT, with
 # watch-TAG.txt for each Ray run: the busiest processes and each replica's running/waiting
-# requests every 2 s, and a py-spy profile of Ray's proxy and the fronts (where py-spy is).
+# requests every 2-3 s, and py-spy profiles of Ray's proxy, the fronts and the replicas (where
+# py-spy is).
 # A CPU trial of the same path (SITE: the PYTHONPATH where cllm and Ray are, CACHE: the models):
 #   SITE=... CACHE=~/.cache/cllm GPUS=2 SERVE_ARGS="--threads 1 --ctx-size 4096 --parallel 4"
 #   PER_REPLICA=4 MAX_TOKENS=8 REQUESTS_PER=2 bash bench/gpu/ray_scaling.sh throughput
@@ -78,7 +79,7 @@ bench() {
 }
 
 # watch TAG: while the benchmark runs (until watch_end), the 12 busiest processes and each
-# replica's running/waiting requests (from the front's /metrics) every 2 s; after 6 s, 8 s of
+# replica's running/waiting requests (from the front's /metrics) every 2-3 s; after 6 s, 8 s of
 # py-spy of Ray's proxy, the fronts and the replicas, so a ceiling names its process.
 watch() {
   local file="$OUT/watch-$1.txt"
