@@ -1,8 +1,9 @@
 """How many streamed events a second `python -m cllm.bench` itself can take: a stand-in for an
 OpenAI completions server that answers at once, every request with the same canned stream of
-N one-token events (plus the usage chunk), so the client, not a model, is what is measured:
+N one-token events (plus the usage chunk), written W events at a time (servers write each event
+as it comes: W=1), so the client, not a model, is what is measured:
 
-    python bench/probe_client_capacity.py 8499 128 &
+    python bench/probe_client_capacity.py 8499 128 1 &
     python -m cllm.bench --url http://127.0.0.1:8499 --concurrency 64 256 --requests 1024 \\
         --warmup 64 --prompt-tokens 128 --max-tokens 128 --tag client-capacity
 
@@ -14,7 +15,7 @@ import sys
 
 PORT = int(sys.argv[1]) if len(sys.argv) > 1 else 8499
 EVENTS_PER_STREAM = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-EVENTS_PER_WRITE = 8
+EVENTS_PER_WRITE = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 GAP = 0.002  # seconds between writes, so a stream arrives in parts as from a server
 
 
