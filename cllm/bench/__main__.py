@@ -17,7 +17,7 @@ from cllm.models import DEFAULT_ALIAS, resolve_model
 from . import prompts, report
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget
-from .loadgen import HttpTarget, Level, Sender, first_model, run_level
+from .loadgen import Connections, HttpTarget, Level, Sender, first_model, run_level
 from .peer import build, start_peer
 from .servers import StartedServer, say, start_cllm
 from .stats import summarize
@@ -100,15 +100,13 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
     # An open loop without a cap may have every request of a level in flight.
     pool = max(max(level.concurrency or args.requests for level in args.levels),
                args.warmup) + 4
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(load.timeout, connect=30.0),
-                                 limits=limits) as client:
+    async with Connections(pool, httpx.Timeout(load.timeout, connect=30.0)) as connections:
         for t in targets:
             if t.url:
-                t.model = t.model or await first_model(client, t.url)
-                t.send = HttpTarget(t.url, t.model, load, client).send
+                t.model = t.model or await first_model(connections, t.url)
+                t.send = HttpTarget(t.url, t.model, load, connections).send
         if args.workload == "structured":
-            targets = _with_schema(targets, load, client)
+            targets = _with_schema(targets, load, connections)
         levels = [(level, repeat) for level in args.levels for repeat in range(args.runs)]
         for i, ((level, repeat), plan) in enumerate(zip(levels, plans(args))):
             # The order of servers flips from run to run so neither always runs first.
@@ -119,7 +117,7 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
                 _print_run(run)
 
 
-def _with_schema(targets: list[Target], load, client: httpx.AsyncClient) -> list[Target]:
+def _with_schema(targets: list[Target], load, connections: Connections) -> list[Target]:
     """Each HTTP server twice: free, and constrained by the ticket schema ("<name>+schema")."""
     constrained = replace(load, json_schema=prompts.TICKET_SCHEMA)
     out = []
@@ -127,7 +125,7 @@ def _with_schema(targets: list[Target], load, client: httpx.AsyncClient) -> list
         out.append(t)
         if t.url:
             out.append(Target(f"{t.name}+schema", url=t.url, model=t.model,
-                              send=HttpTarget(t.url, t.model, constrained, client).send))
+                              send=HttpTarget(t.url, t.model, constrained, connections).send))
     return out
 
 

@@ -4,12 +4,13 @@ Every request ends either with tokens or with a recorded reason; nothing is drop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
@@ -194,14 +195,49 @@ def check_tokens(r: RequestResult) -> RequestResult:
     return r
 
 
+class Connections:
+    """The benchmark's kept-alive connections, held by several small httpx clients rather than
+    one large pool: httpcore looks at every connection of its pool whenever a request starts or
+    ends, and one pool of 260 spent over half of the client's CPU doing so (py-spy), capping one
+    client process at ~6k streamed events a second at 256 streams. A request takes the client
+    with the fewest requests in flight, so none has more than its connections."""
+
+    PER_CLIENT = 16
+
+    def __init__(self, connections: int, timeout: httpx.Timeout | float,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        limits = httpx.Limits(max_connections=self.PER_CLIENT,
+                              max_keepalive_connections=self.PER_CLIENT)
+        count = max(1, math.ceil(connections / self.PER_CLIENT))
+        self._clients = [httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+                         for _ in range(count)]
+        self._in_flight = [0] * count
+
+    @contextlib.asynccontextmanager
+    async def client(self) -> AsyncIterator[httpx.AsyncClient]:
+        i = min(range(len(self._clients)), key=self._in_flight.__getitem__)
+        self._in_flight[i] += 1
+        try:
+            yield self._clients[i]
+        finally:
+            self._in_flight[i] -= 1
+
+    async def __aenter__(self) -> Connections:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        for client in self._clients:
+            await client.aclose()
+
+
 class HttpTarget:
     """One OpenAI-compatible server: sends a prompt, returns its RequestResult, never raises."""
 
-    def __init__(self, url: str, model: str, load: LoadSettings, client: httpx.AsyncClient):
+    def __init__(self, url: str, model: str, load: LoadSettings, connections: Connections):
         self.url = url.rstrip("/")
         self.model = model
         self.load = load
-        self.client = client
+        self.connections = connections
         path = "/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions"
         self.endpoint_url = self.url + path
 
@@ -230,26 +266,29 @@ class HttpTarget:
     async def send(self, prompt: Prompt) -> RequestResult:
         start = time.perf_counter()
         try:
-            if self.load.stream:
-                return await self._send_streaming(prompt, start)
-            return await self._send_whole(prompt, start)
+            async with self.connections.client() as client:
+                if self.load.stream:
+                    return await self._send_streaming(client, prompt, start)
+                return await self._send_whole(client, prompt, start)
         except Exception as e:  # any failure is a result with its reason, never a lost request
             return RequestResult(start=start, end=time.perf_counter(),
                                  error=f"{type(e).__name__}: {e}".rstrip(": "))
 
-    async def _open(self, prompt: Prompt) -> tuple[httpx.Response, bool]:
+    async def _open(self, client: httpx.AsyncClient, prompt: Prompt
+                    ) -> tuple[httpx.Response, bool]:
         """The response, once its head has come, and whether the request was sent twice: a
         server may close a kept-alive connection as the request goes out on it (llama-server
         did, several times a level), and clients such as the openai SDK send it again on a new
         connection; so does this one, once, and the result says so."""
-        request = self.client.build_request("POST", self.endpoint_url, json=self.body(prompt))
+        request = client.build_request("POST", self.endpoint_url, json=self.body(prompt))
         try:
-            return await self.client.send(request, stream=True), False
+            return await client.send(request, stream=True), False
         except httpx.RemoteProtocolError:
-            return await self.client.send(request, stream=True), True
+            return await client.send(request, stream=True), True
 
-    async def _send_streaming(self, prompt: Prompt, start: float) -> RequestResult:
-        resp, resent = await self._open(prompt)
+    async def _send_streaming(self, client: httpx.AsyncClient, prompt: Prompt,
+                              start: float) -> RequestResult:
+        resp, resent = await self._open(client, prompt)
         try:
             if resp.status_code != 200:
                 return await _http_failure(resp, start)
@@ -262,8 +301,9 @@ class HttpTarget:
         result.resent = resent
         return result
 
-    async def _send_whole(self, prompt: Prompt, start: float) -> RequestResult:
-        resp, resent = await self._open(prompt)
+    async def _send_whole(self, client: httpx.AsyncClient, prompt: Prompt,
+                          start: float) -> RequestResult:
+        resp, resent = await self._open(client, prompt)
         try:
             await resp.aread()
         finally:
@@ -295,10 +335,11 @@ async def _http_failure(resp: httpx.Response, start: float) -> RequestResult:
                          error=f"HTTP {resp.status_code}: {message}".rstrip(": "))
 
 
-async def first_model(client: httpx.AsyncClient, url: str) -> str:
+async def first_model(connections: Connections, url: str) -> str:
     """The id of the first model GET /v1/models lists."""
     try:
-        resp = await client.get(url.rstrip("/") + "/v1/models")
+        async with connections.client() as client:
+            resp = await client.get(url.rstrip("/") + "/v1/models")
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:

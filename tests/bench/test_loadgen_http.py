@@ -2,14 +2,16 @@
 
 Not a model stand-in: it exercises the load generator's handling of what servers send back."""
 import asyncio
+import collections
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 
-from cllm.bench.loadgen import EMPTY_RESPONSE, HttpTarget, LoadSettings, first_model, run_level
+from cllm.bench.loadgen import (EMPTY_RESPONSE, Connections, HttpTarget, LoadSettings, first_model,
+                                run_level)
 from cllm.bench.stats import summarize
 
 
@@ -73,8 +75,9 @@ def url():
 
 
 async def _run(url: str, prompts: list[str], stream: bool, concurrency: int = 3):
-    async with httpx.AsyncClient(timeout=10) as client:
-        target = HttpTarget(url, await first_model(client, url), LoadSettings(stream=stream), client)
+    async with Connections(concurrency, timeout=10) as connections:
+        target = HttpTarget(url, await first_model(connections, url), LoadSettings(stream=stream),
+                            connections)
         assert target.model == "fake-model"
         return await run_level(target.send, prompts, concurrency)
 
@@ -101,8 +104,8 @@ def test_every_request_ends_in_tokens_or_a_reason(url, stream):
 
 def test_connection_refused_is_recorded():
     async def run():
-        async with httpx.AsyncClient() as client:
-            target = HttpTarget("http://127.0.0.1:9", "m", LoadSettings(), client)
+        async with Connections(1, timeout=5) as connections:
+            target = HttpTarget("http://127.0.0.1:9", "m", LoadSettings(), connections)
             return await run_level(target.send, ["x"], 1)
 
     results, _ = asyncio.run(run())
@@ -118,3 +121,13 @@ def test_a_connection_closed_before_the_answer_is_sent_again_once(url, stream):
     assert always.error.startswith("RemoteProtocolError") and not always.ok
     assert ok.ok and not ok.resent
     assert summarize(results, duration)["resent"] == 1
+
+
+def test_requests_in_flight_spread_so_no_client_waits_for_a_connection():
+    async def run():
+        async with Connections(40, timeout=5) as connections, contextlib.AsyncExitStack() as held:
+            return [await held.enter_async_context(connections.client()) for _ in range(40)]
+
+    clients = asyncio.run(run())
+    per_client = collections.Counter(map(id, clients)).values()
+    assert len(per_client) == 3 and max(per_client) <= Connections.PER_CLIENT

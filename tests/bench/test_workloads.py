@@ -8,7 +8,7 @@ import pytest
 
 from cllm.bench import prompts
 from cllm.bench.cli import load_settings, parse_args
-from cllm.bench.loadgen import HttpTarget, Level
+from cllm.bench.loadgen import Connections, HttpTarget, Level
 from cllm.bench.workloads import SKIPPED, Conversation, plans
 
 
@@ -70,8 +70,8 @@ def _chat_server(requests: list[dict], fail_at_turn: int | None = None):
 
 async def _converse(conversation: Conversation, transport, *argv: str):
     load = load_settings(parse_args(["--url", "u", "--workload", "multi-turn", *argv]))
-    async with httpx.AsyncClient(transport=transport) as client:
-        return await conversation.run(HttpTarget("http://fake", "m", load, client).send)
+    async with Connections(1, timeout=5, transport=transport) as connections:
+        return await conversation.run(HttpTarget("http://fake", "m", load, connections).send)
 
 
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
@@ -111,8 +111,9 @@ def test_level_plan_runs_conversations_with_figures_per_turn():
     load = load_settings(parse_args(["--url", "u", "--workload", "multi-turn"]))
 
     async def run():
-        async with httpx.AsyncClient(transport=_chat_server(sent)) as client:
-            return await plan.run(HttpTarget("http://fake", "m", load, client).send, Level(concurrency=4))
+        async with Connections(4, timeout=5, transport=_chat_server(sent)) as connections:
+            return await plan.run(HttpTarget("http://fake", "m", load, connections).send,
+                                  Level(concurrency=4))
 
     results, duration, figures = asyncio.run(run())
     assert len(results) == len(sent) == 8 and duration > 0 and all(r.ok for r in results)
