@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -135,11 +136,16 @@ async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
     warm_results, _ = await run_level(t.send, plan.warmup, level.concurrency or 4)
     if t.engine is not None:
         t.engine.reset_timer()
+    cpu_before = time.process_time()
     results, duration, per_turn = await plan.run(t.send, level, seed,
                                                  desc=f"{t.name} {level.label}")
+    # The client's own CPU over the level: near one core, the figures may be the client's
+    # limit (report.table says so). An engine measured in this process counts in it too.
+    client_cpu = (time.process_time() - cpu_before) / duration if t.engine is None else None
     run = {"server": t.name, "url": t.url, "model": t.model, "concurrency": level.concurrency,
            "request_rate": level.rate, "level": level.label,
            "warmup_failed": sum(not r.ok for r in warm_results), "loadavg_1m": load_before,
+           "client_cpu_share": client_cpu,
            "metrics": summarize(results, duration, slo) | per_turn}
     if t.engine is not None:
         run["engine_steps"] = t.engine.timer_summary()

@@ -111,6 +111,12 @@ _COLUMNS = (("server", 20, "{}"), ("level", 12, "{}"), ("ok", 4, "{}"), ("fail",
             ("good/s", 7, "{:.2f}"), ("cached", 7, "{:.1%}"))
 
 
+# A client process busy this much of a level's wall time is near its own ceiling: one Python
+# process, one core (its httpx pool once capped it at ~48 requests a second; see
+# bench/results/h200x4-ray-scaling).
+CLIENT_BUSY = 0.9
+
+
 def level_label(run: dict) -> str:
     """c=N for a closed-loop level, rate=R for an open one (older results have no label)."""
     return run.get("level") or f"c={run['concurrency']}"
@@ -136,6 +142,9 @@ def table(runs: list[dict]) -> str:
             lines.append("    " + _turns_line(m))
         for reason, count in m["failures"].items():
             lines.append(f"    {count} × {reason}")
+        if (run.get("client_cpu_share") or 0) >= CLIENT_BUSY:
+            lines.append(f"    the client itself used {run['client_cpu_share']:.0%} of a core: "
+                         "these figures may be its limit, not the server's")
     return "\n".join(lines + spread(runs))
 
 

@@ -88,3 +88,13 @@ def test_plot_from_json(tmp_path):
     out = tmp_path / "both.png"
     report.main(["plot", str(first), str(second), "--out", str(out)])
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_table_says_when_the_client_itself_was_near_a_core():
+    runs = _report()["runs"]
+    runs[0]["client_cpu_share"], runs[1]["client_cpu_share"] = 0.97, 0.3
+    lines = report.table(runs).splitlines()
+    busy = [i for i, line in enumerate(lines) if "the client itself used" in line]
+    assert len(busy) == 1 and "97% of a core" in lines[busy[0]]
+    assert lines[busy[0] - 2].split()[:2] == ["cllm", "c=1"]  # under its run (and its failure)
+
