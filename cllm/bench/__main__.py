@@ -141,11 +141,11 @@ async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
                                                  desc=f"{t.name} {level.label}")
     # The client's own CPU over the level: near one core, the figures may be the client's
     # limit (report.table says so). An engine measured in this process counts in it too.
-    client_cpu = (time.process_time() - cpu_before) / duration if t.engine is None else None
+    cpu_share = (time.process_time() - cpu_before) / duration if t.engine is None else None
     run = {"server": t.name, "url": t.url, "model": t.model, "concurrency": level.concurrency,
            "request_rate": level.rate, "level": level.label,
            "warmup_failed": sum(not r.ok for r in warm_results), "loadavg_1m": load_before,
-           "client_cpu_share": client_cpu,
+           "client_cpu_share": cpu_share,
            "metrics": summarize(results, duration, slo) | per_turn}
     if t.engine is not None:
         run["engine_steps"] = t.engine.timer_summary()
