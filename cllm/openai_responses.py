@@ -97,8 +97,7 @@ class ResponsesFormat(TypedEventsFormat):
         self._streamed = Choice()
 
     def error_body(self, error: APIError) -> dict:
-        self._sequence += 1
-        return error_event(error, self._sequence - 1)
+        return error_event(error, self._next_number())
 
     def response(self, choices: list[Choice]) -> dict:
         (choice,) = choices
@@ -131,8 +130,12 @@ class ResponsesFormat(TypedEventsFormat):
         return out
 
     def _event(self, type_: str, **fields) -> dict:
+        return {"type": type_, "sequence_number": self._next_number(), **fields}
+
+    def _next_number(self) -> int:
+        """Each event of a stream, the error that may end it included, numbers itself in turn."""
         self._sequence += 1
-        return {"type": type_, "sequence_number": self._sequence - 1, **fields}
+        return self._sequence - 1
 
     def _where(self) -> dict:
         return {"item_id": self.message_id, "output_index": 0, "content_index": 0}
