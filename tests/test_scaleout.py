@@ -69,6 +69,23 @@ def client(server):
         yield c
 
 
+def listener(port: int) -> str:
+    """The name of the process listening on this machine's TCP `port` (from /proc)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir():
+        try:
+            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                return (proc / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+    return ""
+
+
 def chat(conversation: list[dict], **extra) -> dict:
     return {"messages": conversation, "max_tokens": 4, "temperature": 0, **extra}
 
@@ -81,6 +98,10 @@ def test_the_openai_sdk_works_through_ray_whole_and_streamed(client):
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_requests_come_in_through_haproxy_not_rays_python_proxy(server):
+    assert listener(server.port) == "haproxy"
 
 
 def test_errors_are_the_single_servers(http):
