@@ -64,7 +64,11 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                                                                     n_threads=threads))
     apply_cpu_wait(config.engine.cpu_wait, threads)  # decided here, applied in the replicas
     parallel = config.engine.n_parallel
-    plan = Plan(replicas=replicas, fronts=options["front_replicas"],
+    # A front per replica: one front for 2 or 4 GPU replicas was their ceiling (ARCHITECTURE.md).
+    fronts = options["front_replicas"]
+    if fronts is None:
+        fronts = options["max_replicas"] or replicas
+    plan = Plan(replicas=replicas, fronts=fronts,
                 min_replicas=options["min_replicas"],
                 max_replicas=options["max_replicas"],
                 target_ongoing_requests=options["target_ongoing_requests"] or parallel,

@@ -87,8 +87,9 @@ OPTIONS = {
                                 "[--parallel]"),
     "max_ongoing_requests": (int, None, "requests a replica takes at once; more wait in Ray's "
                              "router [2 x --parallel]"),
-    "front_replicas": (int, 1, "processes that read, route and relay requests to the replicas "
-                       "(ARCHITECTURE.md, Scale-out)"),
+    "front_replicas": (int, None, "processes that read, route and relay requests to the "
+                       "replicas (ARCHITECTURE.md, Scale-out) [one per replica, or per "
+                       "--max-replicas]"),
     "routing": (str, "prefix", "prefix: a conversation's or a prompt prefix's requests go to "
                 "one replica, within a load bound; random: Ray's power of two choices"),
     "gpus_per_replica": (float, None, "GPUs each replica takes [1 if the cluster has GPUs, "

@@ -39,9 +39,9 @@ def mark():
 
 @pytest.fixture(scope="module")
 def server(mark):
-    # Two fronts, each with its own router: a conversation must still keep to one replica.
-    process = ServerProcess("--replicas", "2", "--front-replicas", "2", "--ctx-size", "2048",
-                            "--parallel", "4",
+    # A front per replica by default, each with its own router: a conversation must still
+    # keep to one replica.
+    process = ServerProcess("--replicas", "2", "--ctx-size", "2048", "--parallel", "4",
                             "--api-key", KEY, startup_timeout=300)
     os.environ[MARK] = mark
     try:
@@ -100,8 +100,11 @@ def test_the_openai_sdk_works_through_ray_whole_and_streamed(client):
     assert chunks[-1].usage.completion_tokens == 5
 
 
-def test_requests_come_in_through_haproxy_not_rays_python_proxy(server):
-    assert listener(server.port) == "haproxy"
+def test_requests_come_in_through_haproxy_to_a_front_per_replica(server, mark):
+    assert listener(server.port) == "haproxy"  # not Ray's Python proxy actor
+    fronts = [pid for pid in ray_processes(mark)
+              if b"ServeReplica:cllm:Front" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(fronts) == 2
 
 
 def test_errors_are_the_single_servers(http):
