@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from cllm.config import ServerConfig, apply_cpu_wait, usable_cores
+from cllm.ray_environment import end_leftover_haproxy
 from cllm.scaleout import Plan, application
 
 log = logging.getLogger("cllm.cluster")
@@ -96,3 +97,6 @@ def _take_down(local: bool) -> None:
             serve.delete(APP_NAME)
     finally:
         ray.shutdown()
+        if local:
+            for pid in end_leftover_haproxy():
+                log.warning("stopped HAProxy (pid %d), which outlived Ray", pid)

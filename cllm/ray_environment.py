@@ -7,7 +7,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import socket
+import uuid
+from pathlib import Path
 
 # How long a stopping front keeps serving so that HAProxy on every node stops sending to it
 # first; Ray's default, 30 s, would hold each shutdown of a local Ray that long.
@@ -17,6 +20,9 @@ LOCAL_DRAIN_SECONDS = "2"
 # anything else on them, would stop it from starting. A local Ray gets free ones.
 FIXED_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+# Every process of this local Ray inherits this variable, HAProxy included: how leftovers are
+# told from another instance's.
+INSTANCE_VARIABLE = "CLLM_RAY_INSTANCE"
 
 
 def local_ray_environment() -> dict[str, str]:
@@ -43,3 +49,22 @@ def prepare_local_ray() -> None:
     """Set the local Ray's environment; a value the user set stays. Call before importing Ray."""
     for name, value in local_ray_environment().items():
         os.environ.setdefault(name, value)
+    os.environ[INSTANCE_VARIABLE] = uuid.uuid4().hex
+
+
+def end_leftover_haproxy() -> list[int]:
+    """Stop this instance's HAProxy if it outlived Ray, and return its process ids. Ray starts
+    it from an actor, in a process group of its own, and stops it when Serve shuts down; if
+    the raylet died first (a SIGTERM to the server's whole process group reaches the raylet
+    too), nothing stops it, and it keeps the port."""
+    mark = f"{INSTANCE_VARIABLE}={os.environ.get(INSTANCE_VARIABLE)}".encode()
+    ended = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if ((proc / "comm").read_text().strip() == "haproxy"
+                    and mark in (proc / "environ").read_bytes().split(b"\0")):
+                os.kill(int(proc.name), signal.SIGTERM)
+                ended.append(int(proc.name))
+        except (OSError, ValueError):
+            continue  # gone meanwhile, not ours to read, or not a process
+    return ended

