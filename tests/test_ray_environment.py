@@ -33,8 +33,9 @@ def test_the_ingress_ports_are_free_ones_not_haproxys_fixed_numbers():
 
 
 def test_a_value_the_user_set_stays(monkeypatch):
+    for name in [*local_ray_environment(), INSTANCE_VARIABLE]:  # restored after the test
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
-    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
     prepare_local_ray()
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
     assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
