@@ -12,6 +12,8 @@
 #                                 PLAIN=0 leaves out the plain server; CLIENTS=K drives each
 #                                 level from K benchmark processes, each a Kth of the streams)
 #   bash bench/gpu/ray_scaling.sh prefix             2 replicas: prefix-aware vs random routing
+#                                 (DOCUMENTS=N PREFIX_TOKENS=T: the shared-prefix workload over
+#                                 N documents of T tokens, default 1 of 1,400)
 #   bash bench/gpu/ray_scaling.sh proxy              the plain server vs Ray, one stream
 # GPUS defaults to the GPUs nvidia-smi lists. JSON (and each server's log) go to $OUT, with
 # watch-TAG.txt for each Ray run: the busiest processes and each replica's running/waiting
@@ -182,7 +184,8 @@ prefix)  # shared-prefix and multi-turn on 2 replicas, each routing on fresh cac
   for routing in prefix random; do
     start sp-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
     bench sp-$routing --workload shared-prefix --concurrency $((PER_REPLICA / 2)) \
-          --requests $((PER_REPLICA * REQUESTS_PER / 2)) --warmup 0 --max-tokens 32
+          --requests $((PER_REPLICA * REQUESTS_PER / 2)) --warmup 0 --max-tokens 32 \
+          --documents "${DOCUMENTS:-1}" --prefix-tokens "${PREFIX_TOKENS:-1400}"
     stop "$PID"
     start mt-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
     bench mt-$routing --workload multi-turn --turns 6 --concurrency $((PER_REPLICA / 2)) \

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default 1)")
     load.add_argument("--max-tokens", type=_positive, default=50)
     load.add_argument("--workload", choices=WORKLOADS, default="standard",
-                      help="standard: the prompts below; shared-prefix: one long document, a "
-                           "different question after it each request; multi-turn: chat "
+                      help="standard: the prompts below; shared-prefix: one long document (or "
+                           "--documents), a different question after it each request; multi-turn: chat "
                            "conversations, each turn resending the history; mixed: prompts "
                            f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform; "
                            "sharegpt: prompt and output lengths shaped like ShareGPT's chats, "
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="standard workload: one prompt per line")
     load.add_argument("--prefix-tokens", type=_positive, default=1400,
                       help="shared-prefix: the document's length in tokens (default 1400)")
+    load.add_argument("--documents", type=_positive, default=1,
+                      help="shared-prefix: documents to ask about, each request about one drawn "
+                           "at random (default 1); more than one replica's prefix cache holds "
+                           "is where prefix-aware routing matters")
     load.add_argument("--turns", type=_positive, default=10,
                       help="multi-turn: turns per conversation (default 10); a level runs "
                            "--requests / --turns conversations, at least as many as the "

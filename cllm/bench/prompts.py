@@ -169,11 +169,13 @@ def user_message(rng: random.Random) -> str:
     return text(rng, rng.randint(16, 48)) + " " + _ask(rng)
 
 
-def shared_prefix(doc_tokens: int, count: int, seed: int) -> list[str]:
-    """`count` prompts: one document of about `doc_tokens` tokens, then each its own question."""
+def shared_prefix(doc_tokens: int, count: int, seed: int, documents: int = 1) -> list[str]:
+    """`count` prompts: one of `documents` documents of about `doc_tokens` tokens each, drawn
+    at random, then each its own question."""
     rng = random.Random(seed)
-    document = text(rng, doc_tokens)
-    return [document + question(rng, i + 1) for i in range(count)]
+    library = [text(rng, doc_tokens) for _ in range(documents)]
+    draw = random.Random(f"{seed} documents")  # its own: one document draws the same as before
+    return [library[draw.randrange(documents)] + question(rng, i + 1) for i in range(count)]
 
 
 def mixed(count: int, lo: int, hi: int, seed: int) -> list[str]:

@@ -90,7 +90,9 @@ def header(report: dict) -> str:
     flags = ", ".join(f"{name} {'yes' if on else 'no'}"
                       for name, on in (m.get("cpu_flags") or {}).items())
     workload = s.get("workload", "standard")
-    detail = {"shared-prefix": f", document of {s.get('prefix_tokens')} tokens",
+    documents = s.get("documents") or 1
+    detail = {"shared-prefix": (f", {documents} documents" if documents > 1 else ", document")
+              + f" of {s.get('prefix_tokens')} tokens",
               "multi-turn": f", {s.get('turns')} turns a conversation"}.get(workload, "")
     output = ("output lengths of their own" if workload == "sharegpt"
               else f"{s.get('max_tokens')} tokens")

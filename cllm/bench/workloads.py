@@ -1,7 +1,7 @@
 """What each level sends, by workload; every server at a level gets the same.
 
 standard: the default prompts, --prompt-file, or --prompt-tokens synthetic ones.
-shared-prefix: one long document, each request with its own question after it.
+shared-prefix: long documents (one by default), each request with its own question after one.
 mixed: prompt lengths log-uniform from 16 to 4,000 tokens, all different.
 sharegpt: prompt and output lengths shaped like ShareGPT's chats (or taken from a ShareGPT-style
 file), each request with its own max_tokens.
@@ -92,7 +92,8 @@ def plans(args: argparse.Namespace) -> Iterator[LevelPlan]:
         if args.workload == "sharegpt":
             yield _split(_sharegpt(args, count, seed=index), args.warmup)
             continue
-        texts = (prompt_sets.shared_prefix(args.prefix_tokens, count, seed=index)
+        texts = (prompt_sets.shared_prefix(args.prefix_tokens, count, seed=index,
+                                           documents=args.documents)
                  if args.workload == "shared-prefix"
                  else prompt_sets.mixed(count, *MIXED_TOKENS, seed=index))
         yield _split(texts, args.warmup)

@@ -80,6 +80,8 @@ def test_header_names_machine_and_workload():
     assert report.header(data) == (
         "CPU: Xeon, 2 cores (avx2 yes, avx512f no, amx_tile no); GPU: NVIDIA H100 80GB HBM3\n"
         "workload: shared-prefix, document of 1400 tokens; 2 requests × 3 tokens a level")
+    data["settings"].update(documents=64)
+    assert "workload: shared-prefix, 64 documents of 1400 tokens;" in report.header(data)
 
 
 def test_plot_from_json(tmp_path):

@@ -40,6 +40,17 @@ def test_shared_prefix_shares_exactly_the_document():
     assert all(len(t.split()) < 20 for t in tails)  # short next to the document
 
 
+def test_shared_prefix_over_several_documents_draws_each():
+    batch = prompts.shared_prefix(200, 30, seed=0, documents=3)
+    assert batch == prompts.shared_prefix(200, 30, seed=0, documents=3)
+    documents = [p.split("\n\nQuestion ")[0] for p in batch]
+    assert len(set(documents)) == 3 and all(_pieces(d) == 200 for d in set(documents))
+    assert all(2 <= documents.count(d) <= 28 for d in set(documents))
+    # One document draws the prompts it always did: earlier results stay comparable.
+    single = prompts.shared_prefix(200, 30, seed=0)
+    assert single == prompts.shared_prefix(200, 30, seed=0, documents=1)
+
+
 def test_mixed_lengths_span_the_range():
     batch = prompts.mixed(200, 16, 4000, seed=0)
     assert batch == prompts.mixed(200, 16, 4000, seed=0) and len(set(batch)) == 200

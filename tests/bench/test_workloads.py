@@ -38,6 +38,11 @@ def test_shared_prefix_level_shares_one_document():
     assert len(documents) == 1 and len(plan.prompts) == 72
 
 
+def test_shared_prefix_level_over_several_documents():
+    plan = _plans("--workload", "shared-prefix", "--prefix-tokens", "50", "--documents", "4")[0]
+    assert len({p.split("\n\nQuestion ")[0] for p in plan.warmup + plan.prompts}) == 4
+
+
 def test_multi_turn_plan():
     low, high = _plans("--workload", "multi-turn", "--turns", "3", "--requests", "6")
     assert len(low.conversations) == 2 and len(high.conversations) == 4  # at least the level
