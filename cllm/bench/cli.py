@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-tokens", type=_positive, default=50)
     load.add_argument("--workload", choices=WORKLOADS, default="standard",
                       help="standard: the prompts below; shared-prefix: one long document (or "
-                           "--documents), a different question after it each request; multi-turn: chat "
-                           "conversations, each turn resending the history; mixed: prompts "
-                           f"of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} tokens, log-uniform; "
+                           "--documents), a different question after it each request; "
+                           "multi-turn: chat conversations, each turn resending the history; "
+                           f"mixed: prompts of {MIXED_TOKENS[0]} to {MIXED_TOKENS[1]:,} "
+                           "tokens, log-uniform; "
                            "sharegpt: prompt and output lengths shaped like ShareGPT's chats, "
                            "or from --dataset-path; structured: tickets to triage, each server "
                            "measured free and with a JSON schema (default standard)")
