@@ -23,6 +23,7 @@ FIXED_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
 # Every process of this local Ray inherits this variable, HAProxy included: how leftovers are
 # told from another instance's.
 INSTANCE_VARIABLE = "CLLM_RAY_INSTANCE"
+PROC = Path("/proc")  # where the processes are read from; none on macOS, which has no leftovers
 
 
 def local_ray_environment() -> dict[str, str]:
@@ -57,9 +58,11 @@ def end_leftover_haproxy() -> list[int]:
     it from an actor, in a process group of its own, and stops it when Serve shuts down; if
     the raylet died first (a SIGTERM to the server's whole process group reaches the raylet
     too), nothing stops it, and it keeps the port."""
+    if not PROC.is_dir():
+        return []
     mark = f"{INSTANCE_VARIABLE}={os.environ.get(INSTANCE_VARIABLE)}".encode()
     ended = []
-    for proc in Path("/proc").iterdir():
+    for proc in PROC.iterdir():
         try:
             if ((proc / "comm").read_text().strip() == "haproxy"
                     and mark in (proc / "environ").read_bytes().split(b"\0")):

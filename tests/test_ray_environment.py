@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from cllm import ray_environment
 from cllm.ray_environment import (FIXED_PORTS, INSTANCE_VARIABLE, end_leftover_haproxy,
                                   local_ray_environment, prepare_local_ray)
 
@@ -83,3 +84,8 @@ def test_only_this_instances_leftover_haproxy_is_stopped(tmp_path, monkeypatch):
         for process in (ours, theirs):
             process.kill()
             process.wait()
+
+
+def test_without_a_proc_file_system_there_is_nothing_to_stop(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray_environment, "PROC", tmp_path / "no-proc")  # as on macOS
+    assert end_leftover_haproxy() == []
