@@ -58,16 +58,28 @@ def end_leftover_haproxy() -> list[int]:
     it from an actor, in a process group of its own, and stops it when Serve shuts down; if
     the raylet died first (a SIGTERM to the server's whole process group reaches the raylet
     too), nothing stops it, and it keeps the port."""
+    ended = []
+    for pid in processes_carrying(INSTANCE_VARIABLE, os.environ.get(INSTANCE_VARIABLE, "")):
+        try:
+            if (PROC / str(pid) / "comm").read_text().strip() == "haproxy":
+                os.kill(pid, signal.SIGTERM)
+                ended.append(pid)
+        except OSError:
+            continue  # gone meanwhile
+    return ended
+
+
+def processes_carrying(variable: str, value: str) -> list[int]:
+    """The processes started with `variable=value` in their environment (none where there is
+    no /proc to read them from)."""
     if not PROC.is_dir():
         return []
-    mark = f"{INSTANCE_VARIABLE}={os.environ.get(INSTANCE_VARIABLE)}".encode()
-    ended = []
+    mark = f"{variable}={value}".encode()
+    found = []
     for proc in PROC.iterdir():
         try:
-            if ((proc / "comm").read_text().strip() == "haproxy"
-                    and mark in (proc / "environ").read_bytes().split(b"\0")):
-                os.kill(int(proc.name), signal.SIGTERM)
-                ended.append(int(proc.name))
+            if mark in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
         except (OSError, ValueError):
             continue  # gone meanwhile, not ours to read, or not a process
-    return ended
+    return found

@@ -59,6 +59,31 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def listening(port: int) -> dict[str, str]:
+    """What listens on this machine's TCP `port`: each local address, in /proc/net/tcp's hex
+    (127.0.0.1 is 0100007F), and its socket's inode."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            address, port_hex = fields[1].rsplit(":", 1)
+            if int(port_hex, 16) == port and fields[3] == "0A":  # LISTEN
+                found[address] = fields[9]
+    return found
+
+
+def listening_process(port: int) -> str:
+    """The name of the process listening on this machine's TCP `port`, or ""."""
+    sockets = {f"socket:[{inode}]" for inode in listening(port).values()}
+    for proc in Path("/proc").iterdir():
+        try:
+            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                return (proc / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+    return ""
+
+
 class ServerProcess:
     """A `python -m cllm.serve` child on a free 127.0.0.1 port; its stdout and stderr go to
     files read by `.stdout`, `.stderr` and `.log`. Use as a context manager, or call start()

@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, listening_process
+
+from cllm.ray_environment import processes_carrying
 
 KEY = "scale-out-test-key"  # the replicas check it; the front's /metrics too
 MARK = "CLLMTEST_RAY_MARK"  # an environment variable every process of this test's Ray inherits
@@ -22,14 +24,7 @@ REPLICA = "x-cllm-replica"
 
 def ray_processes(mark: str) -> list[int]:
     """The processes whose environment carries `mark`: the driver, Ray's own, the replicas."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if f"{MARK}={mark}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except (OSError, ValueError):
-            continue
-    return found
+    return processes_carrying(MARK, mark)
 
 
 @pytest.fixture(scope="module")
@@ -69,23 +64,6 @@ def client(server):
         yield c
 
 
-def listener(port: int) -> str:
-    """The name of the process listening on this machine's TCP `port` (from /proc)."""
-    sockets = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            fields = row.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
-                sockets.add(f"socket:[{fields[9]}]")
-    for proc in Path("/proc").iterdir():
-        try:
-            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
-                return (proc / "comm").read_text().strip()
-        except (OSError, ValueError):
-            continue
-    return ""
-
-
 def chat(conversation: list[dict], **extra) -> dict:
     return {"messages": conversation, "max_tokens": 4, "temperature": 0, **extra}
 
@@ -101,7 +79,7 @@ def test_the_openai_sdk_works_through_ray_whole_and_streamed(client):
 
 
 def test_requests_come_in_through_haproxy_to_a_front_per_replica(server, mark):
-    assert listener(server.port) == "haproxy"  # not Ray's Python proxy actor
+    assert listening_process(server.port) == "haproxy"  # not Ray's Python proxy actor
     fronts = [pid for pid in ray_processes(mark)
               if b"ServeReplica:cllm:Front" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(fronts) == 2

@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from cllm.config import MAX_STOP_LENGTH, MAX_STOP_STRINGS, ServerConfig
 from http_checks import StreamGaps, assert_error
-from server_process import ServerProcess, server_env, serve_command
+from server_process import ServerProcess, listening, server_env, serve_command
 
 KEY = "s3cret-Key_0123456789"
 CTX = 512  # one sequence gets it all: max_tokens may be at most 512
@@ -100,14 +100,8 @@ def test_binds_loopback_by_default(server):
     host_help = help_text[help_text.rindex("--host HOST"):].split("--port")[0]  # not the usage
     assert "[127.0.0.1]" in host_help, host_help
     # The running server (started without --host) listens on 127.0.0.1 only.
-    listening = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == server.port:
-                    listening.append(local.rsplit(":", 1)[0])
-    assert listening == ["0100007F"], listening  # 127.0.0.1, little-endian hex
+    addresses = list(listening(server.port))
+    assert addresses == ["0100007F"], addresses  # 127.0.0.1, little-endian hex
 
 
 # ---- (c) request bounds at their edges ----
