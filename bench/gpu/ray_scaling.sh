@@ -114,17 +114,30 @@ load() {
           --prompt-tokens 128 --max-tokens $MAX_TOKENS "$@"
     return
   fi
-  local clients=()
+  CLIENTS_PIDS=(); start_clients "$tag" "$c" "$k" "$@"
+  wait "${CLIENTS_PIDS[@]}"  # not the servers, which are background jobs too
+  aggregate "$tag"
+}
+
+# start_clients TAG C K ARGS...: K benchmark processes against $URL in the background, each with
+# a Kth of C streams (tags TAG-k1..TAG-kK); their pids are appended to CLIENTS_PIDS.
+CLIENTS_PIDS=()
+start_clients() {
+  local tag=$1 c=$2 k=$3; shift 3
   for i in $(seq "$k"); do
     bench "$tag-k$i" --concurrency $((c / k)) --requests $((c * REQUESTS_PER / k)) \
           --warmup $((c / k)) --prompt-tokens 128 --max-tokens $MAX_TOKENS "$@" > /dev/null &
-    clients+=($!)
+    CLIENTS_PIDS+=($!)
   done
-  wait "${clients[@]}"  # not the servers, which are background jobs too
-  $PY - "$OUT" "$tag" <<'EOF2'
+}
+
+# aggregate TAG: one line over every client run whose tag starts with TAG-: all their tokens
+# over the longest client's time.
+aggregate() {
+  $PY - "$OUT" "$1" <<'EOF2'
 import json, pathlib, sys
 runs = [json.loads(p.read_text())["runs"][0]["metrics"]
-        for p in pathlib.Path(sys.argv[1]).glob(f"bench-{sys.argv[2]}-k*.json")]
+        for p in pathlib.Path(sys.argv[1]).glob(f"bench-{sys.argv[2]}-*.json")]
 tokens = sum(m["total_output_tokens"] for m in runs)
 ttfts = ", ".join("%.0f" % m["ttft_ms"]["p50"] for m in runs)
 print(f"{sys.argv[2]}: {len(runs)} clients, {tokens / max(m['duration_s'] for m in runs):.1f} "
@@ -178,6 +191,22 @@ throughput)  # tokens/s at saturating concurrency: the plain server, then Ray wi
     done
   done
   summary plain- ray-r
+  ;;
+independent)  # the host's own ceiling: N plain servers, one per card, no Ray, loaded at once
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+  for N in ${REPLICA_COUNTS:-$(seq 1 "$GPUS")}; do
+    URLS=(); PIDS=()
+    for g in $(seq 0 $((N - 1))); do
+      CUDA_VISIBLE_DEVICES=$g start plain-n$N-g$g || exit 1; URLS+=("$URL"); PIDS+=("$PID")
+    done
+    CLIENTS_PIDS=()
+    for g in $(seq 0 $((N - 1))); do
+      URL=${URLS[g]} start_clients plain-n$N-g$g "$PER_REPLICA" "${CLIENTS:-1}"
+    done
+    wait "${CLIENTS_PIDS[@]}"
+    aggregate plain-n$N
+    for p in "${PIDS[@]}"; do stop "$p"; done
+  done
   ;;
 prefix)  # shared-prefix and multi-turn on 2 replicas, each routing on fresh caches
   SHARE=(); [ "$GPUS" = 1 ] && SHARE=(--gpus-per-replica 0.5)  # one card: both on it
