@@ -124,7 +124,8 @@ class Engine:
                                    n_slots=self.ctx.n_seq_max, shared_kv=self.kv_unified,
                                    prefix_cache=config.prefix_cache,
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1,
-                                   prefill_stagger=config.prefill_stagger or (None if gpu else 16))
+                                   prefill_stagger=config.prefill_stagger or (None if gpu else 16),
+                                   first_tokens_apart=aligned)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
         # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on spare cores.
         self._masks = structured.MaskFiller(

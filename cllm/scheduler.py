@@ -56,7 +56,11 @@ class Scheduler:
     first one it ends (earlier chunks of a long prompt still take what the budget leaves). On a
     CPU every token of a step costs about the same, so requests that arrive together then get
     their first tokens a step apart instead of all after one long step, and stop finishing
-    together (ARCHITECTURE.md, "Prompts that end in a step")."""
+    together (ARCHITECTURE.md, "Prompts that end in a step").
+    `first_tokens_apart` (split KV streams on a CPU): a step that ends prompts leaves the decodes
+    to the next step, which ends none: the two steps cost what one would, and the first tokens
+    come out before the decodes are computed instead of after (ARCHITECTURE.md, "First tokens
+    before the decodes")."""
 
     # A sequence whose prompt shares at least this many more tokens with one still being
     # prefilled waits for them rather than computing them a second time; a shorter common
@@ -67,8 +71,10 @@ class Scheduler:
                  max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset(),
                  n_slots: int | None = None, shared_kv: bool = True,
                  prefix_cache: bool = True, prefill_block: int = 1,
-                 prefill_stagger: int | None = None) -> None:
+                 prefill_stagger: int | None = None, first_tokens_apart: bool = False) -> None:
         self.max_seqs = max_seqs
+        self.first_tokens_apart = first_tokens_apart
+        self._decodes_held = False  # the last step ended prompts and left its decodes to this one
         self.token_budget = token_budget
         self.prefill_stagger = prefill_stagger or token_budget
         self.kv_capacity = kv_capacity
@@ -124,8 +130,10 @@ class Scheduler:
         self._step_end_tokens = 0
         out.expired = self._expire(now)
         budget = self._schedule_decodes(out, self.token_budget, now)
+        n_decodes = len(out.chunks)
         budget = self._schedule_prefills(out, budget)
         self._admit_waiting(out, budget, now)
+        self._decodes_held = self._hold_decodes(out, n_decodes)
         # In slot order: llama.cpp splits a batch over split KV streams into micro-batches of
         # consecutive seq ids in batch order, so any other order costs extra forward passes.
         out.chunks.sort(key=lambda chunk: chunk.seq.seq_id)
@@ -272,6 +280,22 @@ class Scheduler:
                 budget -= self._add_chunk(out, seq, 1)
         return budget
 
+    def _hold_decodes(self, out: SchedulerOutput, n_decodes: int) -> bool:
+        """With `first_tokens_apart`, when this step gives sequences their first tokens, its
+        decodes (its first `n_decodes` chunks) wait for the next step. Not after a step that held
+        them, and not for a one-token prompt end: alone in a step, that could be a micro-batch of
+        one row of one stream, which ggml computes with another kernel (ARCHITECTURE.md, "Prompts
+        in aligned blocks"). Returns whether the decodes wait."""
+        if not (self.first_tokens_apart and n_decodes) or self._decodes_held:
+            return False
+        firsts = [chunk.length for chunk in out.chunks[n_decodes:]
+                  if chunk.samples and chunk.seq.num_output_tokens == 0]
+        if not firsts or min(firsts) < 2:
+            return False
+        self._step_cells -= sum(chunk.length for chunk in out.chunks[:n_decodes])
+        del out.chunks[:n_decodes]
+        return True
+
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
         """Prompt chunks of running sequences, in the order they were admitted."""
         for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]:
@@ -281,8 +305,11 @@ class Scheduler:
 
     def _add_prompt_chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         """`seq`'s next prompt chunk, as much as the budget leaves; none if it would end the
-        prompt and the step has already spent its stagger on ending others. Returns its tokens."""
+        prompt and the step has already spent its stagger on ending others, or computes the
+        decodes the last step held. Returns its tokens."""
         remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining <= budget and self._decodes_held:
+            return 0
         if (remaining <= budget and self._step_end_tokens
                 and self._step_end_tokens + remaining > self.prefill_stagger):
             return 0  # its first token waits a step

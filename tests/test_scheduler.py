@@ -113,6 +113,34 @@ def test_short_prompt_tails_end_together_within_the_stagger():
     assert {c.seq.request_id for c in out.chunks} == {"d", *(s.request_id for s in ones)}
 
 
+def test_a_step_that_ends_prompts_leaves_the_decodes_to_the_next_which_ends_none():
+    # first_tokens_apart (a CPU build): a question's first token comes out before the decodes
+    # are computed, then a step of decodes alone, so that decodes never wait two steps.
+    sched = make_scheduler(budget=256, prefill_stagger=16, first_tokens_apart=True)
+    decoders = [make_seq(8, max_tokens=100, name=f"d{i}") for i in range(2)]
+    for seq in decoders:
+        sched.add(seq)
+    while any(s.num_output_tokens == 0 for s in decoders):
+        run_step(sched)
+    for i in range(2):
+        sched.add(make_seq(10, max_tokens=100, name=f"q{i}"))
+    steps = [[(c.seq.request_id, c.length) for c in run_step(sched, now=n).chunks]
+             for n in range(4)]
+    assert steps == [[("q0", 10)], [("d0", 1), ("d1", 1), ("q0", 1)], [("q1", 10)],
+                     [("d0", 1), ("d1", 1), ("q0", 1), ("q1", 1)]]
+
+
+def test_a_one_token_prompt_end_keeps_the_decodes_in_its_step():
+    sched = make_scheduler(budget=256, prefill_stagger=16, first_tokens_apart=True)
+    decoder = make_seq(8, max_tokens=100, name="d")
+    sched.add(decoder)
+    run_step(sched)
+    one = make_seq(1, max_tokens=4, name="one")
+    sched.add(one)
+    out = run_step(sched, now=1)
+    assert {c.seq.request_id for c in out.chunks} == {"d", "one"}
+
+
 def test_a_long_prompt_takes_what_the_decodes_leave_whatever_the_stagger():
     sched = make_scheduler(max_seqs=16, budget=80, kv=8192, prefill_stagger=16)
     decoders = [make_seq(8, max_tokens=1000, name=f"d{i}") for i in range(8)]
