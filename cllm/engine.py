@@ -132,7 +132,8 @@ class Engine:
             self.ctx.mask_words, threads=min(8, usable_cores() // 2) if gpu else 1, overlap=gpu)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
-        # share of a step is large; one on a CPU, where a step dwarfs it.
+        # share of a step is large; one on a CPU, where runs of 8 lost 9-14% at 32 streams and
+        # were no sure gain at one (ARCHITECTURE.md, "Decode runs stay on the GPU").
         self.decode_steps = config.decode_steps or (8 if gpu else 1)
         self._run_ahead = True
         self._live: dict[Sequence, _Live] = {}
@@ -313,18 +314,19 @@ class Engine:
         timer.end(len(out.chunks))
 
     def _run_length(self, out: SchedulerOutput) -> int:
-        """How many decode steps to run in C at once: several only while nobody waits, every
-        chunk is a decode, none samples its sequence's first token (a prompt the cache holds
-        but its last token looks like a decode, and its first token would wait for the whole
-        run), and no one asked for logprobs (each new request interrupts a run). Constrained
-        rows run too: their matchers advance between the run's steps (structured.RunMatchers)."""
+        """How many decode steps to run in C at once: several only while nobody waits, no
+        running sequence still waits for its first token (a prompt the step left out, or one the
+        cache holds but its last token, which looks like a decode: either would wait for the
+        whole run), every chunk is a decode, and no one asked for logprobs (each new request
+        interrupts a run). Constrained rows run too: their matchers advance between the run's
+        steps (structured.RunMatchers)."""
         steps = self.decode_steps
-        if steps <= 1 or not self._run_ahead or self._inbox or self.scheduler.waiting:
+        if (steps <= 1 or not self._run_ahead or self._inbox or self.scheduler.waiting
+                or self.scheduler.prompts_pending):
             return 1
         for chunk in out.chunks:
             p = chunk.seq.sampling
-            if (chunk.length != 1 or not chunk.samples or chunk.seq.num_output_tokens == 0
-                    or p.logprobs is not None):
+            if chunk.length != 1 or not chunk.samples or p.logprobs is not None:
                 return 1
         return self.scheduler.room_for_run(len(out.chunks), steps)  # the pool holds every row's run
 

@@ -101,6 +101,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._released or self._kv_ops)
 
+    @property
+    def prompts_pending(self) -> bool:
+        """Whether a running sequence has not had its first token yet (its prompt, or part of
+        it, waits for a later step: the token budget, the stagger or held decodes left it out)."""
+        return any(seq.num_output_tokens == 0 or seq.num_tokens - seq.num_computed_tokens > 1
+                   for seq in self.running)
+
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting")

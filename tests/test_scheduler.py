@@ -130,6 +130,28 @@ def test_a_step_that_ends_prompts_leaves_the_decodes_to_the_next_which_ends_none
                      [("d0", 1), ("d1", 1), ("q0", 1), ("q1", 1)]]
 
 
+def test_a_prompt_the_step_left_out_is_pending_until_its_first_token():
+    # The engine runs decode steps ahead in C only while nothing is pending: a prompt the
+    # stagger left out of a decodes-only step would otherwise wait for the whole run.
+    sched = make_scheduler(budget=256, prefill_stagger=16, first_tokens_apart=True)
+    decoder = make_seq(8, max_tokens=100, name="d")
+    sched.add(decoder)
+    while decoder.num_output_tokens == 0:
+        run_step(sched)
+    assert not sched.prompts_pending
+    questions = [make_seq(10, max_tokens=100, name=f"q{i}") for i in range(2)]
+    for seq in questions:
+        sched.add(seq)
+    pending = []
+    for n in range(4):
+        out = run_step(sched, now=n)
+        decodes_only = all(c.length == 1 and c.seq.num_output_tokens > 1 for c in out.chunks)
+        pending.append((decodes_only, not sched.waiting and sched.prompts_pending))
+    # q0 ends, then a decodes-only step while q1 still has its whole prompt, q1 ends, decodes
+    assert pending == [(False, True), (True, True), (False, False), (True, False)]
+    assert all(seq.num_output_tokens for seq in questions)
+
+
 def test_a_one_token_prompt_end_keeps_the_decodes_in_its_step():
     sched = make_scheduler(budget=256, prefill_stagger=16, first_tokens_apart=True)
     decoder = make_seq(8, max_tokens=100, name="d")
