@@ -105,7 +105,7 @@ class Scheduler:
     def prompts_pending(self) -> bool:
         """Whether a running sequence has not had its first token yet (its prompt, or part of
         it, waits for a later step: the token budget, the stagger or held decodes left it out)."""
-        return any(seq.num_output_tokens == 0 or seq.num_tokens - seq.num_computed_tokens > 1
+        return any(seq.num_output_tokens == 0 or seq.num_uncomputed_tokens > 1
                    for seq in self.running)
 
     def add(self, seq: Sequence) -> None:
@@ -275,7 +275,7 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """One token for every running sequence that decodes, before any prompt chunk."""
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
         for seq in decoding:
             if budget == 0:
                 break
@@ -305,7 +305,7 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
         """Prompt chunks of running sequences, in the order they were admitted."""
-        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]:
+        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if seq.status is SequenceStatus.RUNNING and budget > 0:
                 budget -= self._add_prompt_chunk(out, seq, budget)
         return budget
@@ -314,7 +314,7 @@ class Scheduler:
         """`seq`'s next prompt chunk, as much as the budget leaves; none if it would end the
         prompt and the step has already spent its stagger on ending others, or computes the
         decodes the last step held. Returns its tokens."""
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_uncomputed_tokens
         if remaining <= budget and self._decodes_held:
             return 0
         if (remaining <= budget and self._step_end_tokens

@@ -60,6 +60,12 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not computed yet: 1 while it decodes (the token just sampled, or a
+        cached prompt's last), more while a prompt (or a preempted sequence's recompute) waits."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
