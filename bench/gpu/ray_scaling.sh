@@ -44,14 +44,17 @@ SERVER_PIDS=()
 free_port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
 # start NAME ARGS...: `python -m cllm.serve` in its own session, from /tmp (the source tree has
-# no built extension); sets URL and PID once /health answers.
+# no built extension); sets URL and PID once it serves.
 start() {
   local name=$1; shift
   local port; port=$(free_port)
   (cd /tmp && exec setsid $PY -m cllm.serve --port "$port" $SERVE_ARGS "$@" > "$OUT/$name.log" 2>&1) &
   PID=$!; URL=http://127.0.0.1:$port; SERVER_PIDS+=("$PID")
   local t0; t0=$(date +%s)
-  until $PY -c "import urllib.request as u; u.urlopen('$URL/health', timeout=2)" 2>/dev/null; do
+  # Under Ray, /health answers once a front and one replica are up; the load waits for every
+  # replica (cllm.cluster's "serving on"), or its first seconds run on part of them.
+  until $PY -c "import urllib.request as u; u.urlopen('$URL/health', timeout=2)" 2>/dev/null \
+        && { [[ " $* " != *" --replicas "* ]] || grep -q "serving on" "$OUT/$name.log"; }; do
     if ! kill -0 "$PID" 2>/dev/null || [ $(( $(date +%s) - t0 )) -gt 240 ]; then
       echo "$name did not start:"; tail -20 "$OUT/$name.log"; return 1
     fi
