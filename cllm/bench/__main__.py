@@ -18,7 +18,8 @@ from cllm.models import DEFAULT_ALIAS, resolve_model
 from . import prompts, report
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget
-from .loadgen import Connections, HttpTarget, Level, Sender, first_model, run_level
+from .loadgen import (Connections, HttpTarget, Level, ReplyLengths, Sender, first_model,
+                      run_level)
 from .peer import build, start_peer
 from .servers import StartedServer, say, start_cllm
 from .stats import summarize
@@ -106,28 +107,32 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
             if t.url:
                 t.model = t.model or await first_model(connections, t.url)
                 t.send = HttpTarget(t.url, t.model, load, connections).send
-        if args.workload == "structured":
-            targets = _with_schema(targets, load, connections)
+        groups = ([_with_schema(t, load, connections) for t in targets]
+                  if args.workload == "structured" else [[t] for t in targets])
         levels = [(level, repeat) for level in args.levels for repeat in range(args.runs)]
         for i, ((level, repeat), plan) in enumerate(zip(levels, plans(args))):
             # The order of servers flips from run to run so neither always runs first.
-            for t in targets if i % 2 == 0 else targets[::-1]:
-                run = await _measure(t, level, plan, seed=i, slo=args.goodput)
-                run["repeat"] = repeat
-                data["runs"].append(run)
-                _print_run(run)
+            for group in groups if i % 2 == 0 else groups[::-1]:
+                for t in group:
+                    run = await _measure(t, level, plan, seed=i, slo=args.goodput)
+                    run["repeat"] = repeat
+                    data["runs"].append(run)
+                    _print_run(run)
 
 
-def _with_schema(targets: list[Target], load, connections: Connections) -> list[Target]:
-    """Each HTTP server twice: free, and constrained by the ticket schema ("<name>+schema")."""
-    constrained = replace(load, json_schema=prompts.TICKET_SCHEMA)
-    out = []
-    for t in targets:
-        out.append(t)
-        if t.url:
-            out.append(Target(f"{t.name}+schema", url=t.url, model=t.model,
-                              send=HttpTarget(t.url, t.model, constrained, connections).send))
-    return out
+def _with_schema(t: Target, load, connections: Connections) -> list[Target]:
+    """An HTTP server three times, in this order: free; constrained by the ticket schema
+    ("<name>+schema"); free again with each reply as long as its constrained one
+    ("<name>+lengths"), which isolates what the constraint itself costs."""
+    if not t.url:
+        return [t]
+    lengths = ReplyLengths(load.max_tokens)
+    constrained = HttpTarget(t.url, t.model, replace(load, json_schema=prompts.TICKET_SCHEMA),
+                             connections)
+    return [t,
+            Target(f"{t.name}+schema", url=t.url, model=t.model,
+                   send=lengths.recording(constrained.send)),
+            Target(f"{t.name}+lengths", url=t.url, model=t.model, send=lengths.sized(t.send))]
 
 
 async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "tokens, log-uniform; "
                            "sharegpt: prompt and output lengths shaped like ShareGPT's chats, "
                            "or from --dataset-path; structured: tickets to triage, each server "
-                           "measured free and with a JSON schema (default standard)")
+                           "measured free, with a JSON schema, and free with the schema's "
+                           "reply lengths (default standard)")
     load.add_argument("--dataset-path", type=Path,
                       help="sharegpt: a ShareGPT-style JSON file to take prompts and output "
                            "lengths from")

@@ -351,6 +351,34 @@ Sender = Callable[[Prompt], Awaitable[RequestResult]]
 T = TypeVar("T")
 
 
+class ReplyLengths:
+    """Each prompt's reply length as one sender produced it, to ask another sender for replies
+    of the same lengths: a constrained reply ends when its JSON closes, so the free run it is
+    compared with should end there too, or the two differ in output length (and so in how
+    often requests arrive and prefill) as well as in the constraint."""
+
+    def __init__(self, default: int) -> None:
+        self.tokens: dict[str, int] = {}
+        self.default = default  # for a prompt the recording sender never answered
+
+    def recording(self, send: Sender) -> Sender:
+        async def send_and_record(prompt: Prompt) -> RequestResult:
+            result = await send(prompt)
+            if result.error is None and result.output_tokens:
+                self.tokens[_prompt_key(prompt)] = result.output_tokens
+            return result
+        return send_and_record
+
+    def sized(self, send: Sender) -> Sender:
+        async def send_sized(prompt: Prompt) -> RequestResult:
+            return await send(Sized(prompt, self.tokens.get(_prompt_key(prompt), self.default)))
+        return send_sized
+
+
+def _prompt_key(prompt: Prompt) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
 async def run_level(send: Sender, prompts: Sequence[Prompt], concurrency: int,
                     desc: str = "") -> tuple[list[RequestResult], float]:
     """Sends every prompt, at most `concurrency` at a time; returns results and the wall time."""

@@ -8,7 +8,8 @@ file), each request with its own max_tokens.
 multi-turn: conversations over the chat endpoint; each turn resends the whole history, with the
 server's own replies, so a server that reuses its cache answers later turns sooner.
 structured: the default prompts as support tickets to triage over the chat endpoint; each server
-is measured free (ignore_eos) and constrained by prompts.TICKET_SCHEMA (response_format)."""
+is measured free (ignore_eos), constrained by prompts.TICKET_SCHEMA (response_format), then free
+with each reply as long as its constrained one (loadgen.ReplyLengths)."""
 from __future__ import annotations
 
 import argparse

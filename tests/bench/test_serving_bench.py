@@ -9,8 +9,8 @@ import pytest
 
 from cllm.bench import prompts, report
 from cllm.bench.cli import parse_args
-from cllm.bench.loadgen import (HttpTarget, Level, LoadSettings, RequestResult, Sized,
-                                run_open_loop)
+from cllm.bench.loadgen import (HttpTarget, Level, LoadSettings, ReplyLengths, RequestResult,
+                                Sized, run_open_loop)
 from cllm.bench.stats import meets, summarize
 from cllm.bench.workloads import plans
 
@@ -154,6 +154,34 @@ def test_sharegpt_workload_sends_each_request_its_own_max_tokens():
     body = HttpTarget("http://x", "m", LoadSettings(max_tokens=50), None).body(first.prompts[0])
     assert body["max_tokens"] == first.prompts[0].max_tokens
     assert body["prompt"] == first.prompts[0].prompt
+
+
+def test_a_free_run_can_ask_for_the_reply_lengths_a_constrained_run_produced():
+    lengths = ReplyLengths(default=160)
+    conversation = [{"role": "user", "content": "a ticket"}]
+    replies = {"short": RequestResult(output_tokens=12), json.dumps(conversation): RequestResult(
+        output_tokens=94), "failed": RequestResult(output_tokens=3, error="HTTP 500")}
+
+    async def constrained(prompt):
+        return replies[prompt if isinstance(prompt, str) else json.dumps(prompt)]
+
+    asked = []
+
+    async def free(prompt):
+        asked.append(prompt)
+        return RequestResult(output_tokens=prompt.max_tokens)
+
+    async def run():
+        record, sized = lengths.recording(constrained), lengths.sized(free)
+        for prompt in ("short", conversation, "failed"):
+            await record(prompt)
+        return [await sized(p) for p in ("short", conversation, "failed", "never sent")]
+
+    results = asyncio.run(run())
+    assert [r.output_tokens for r in results] == [12, 94, 160, 160]  # no length: the default
+    assert asked[1] == Sized(conversation, 94)
+    body = HttpTarget("http://x", "m", LoadSettings(endpoint="chat"), None).body(asked[1])
+    assert body["messages"] == conversation and body["max_tokens"] == 94 and body["ignore_eos"]
 
 
 # ---- several runs ----
