@@ -52,10 +52,17 @@ def _gpu_names() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()] if out else []
 
 
-def git_commit() -> str | None:
-    commit = _output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent)
-    dirty = _output(["git", "status", "--porcelain", "--untracked-files=no"],
-                    cwd=Path(__file__).resolve().parent)
+PACKAGE_DIR = Path(__file__).resolve().parent  # cllm/bench
+
+
+def git_commit(package_dir: Path = PACKAGE_DIR) -> str | None:
+    """The commit of the checkout this benchmark runs from; None for an installed copy, even
+    one that happens to lie inside some other git repository (a pyenv checkout, say)."""
+    top = _output(["git", "rev-parse", "--show-toplevel"], cwd=package_dir)
+    if top is None or Path(top.strip()).resolve() / "cllm" / "bench" != package_dir:
+        return None
+    commit = _output(["git", "rev-parse", "HEAD"], cwd=package_dir)
+    dirty = _output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir)
     return f"{commit.strip()}{'-dirty' if dirty and dirty.strip() else ''}" if commit else None
 
 

@@ -1,5 +1,7 @@
 """The JSON file, the table and the plot, from a report with synthetic runs."""
 import json
+import subprocess
+from pathlib import Path
 
 from cllm.bench import report
 from cllm.bench.loadgen import RequestResult
@@ -15,6 +17,17 @@ def _report(tag="t") -> dict:
             data["runs"].append({"server": server, "url": None, "model": "m", "concurrency": level,
                                  "warmup_failed": 0, "metrics": summarize([ok, failed], 1.0)})
     return data
+
+
+def test_the_commit_is_this_checkouts_and_none_for_a_copy_inside_another_repository(tmp_path):
+    checkout = Path(__file__).resolve().parents[2]  # this test's repository, not the install
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=checkout, check=True).stdout.strip()
+    assert report.git_commit(checkout / "cllm" / "bench").removesuffix("-dirty") == head
+    copy = tmp_path / "lib" / "site-packages" / "cllm" / "bench"  # e.g. under a pyenv checkout
+    copy.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    assert report.git_commit(copy) is None
 
 
 def test_json_shape(tmp_path):
