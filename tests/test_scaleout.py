@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -83,6 +84,15 @@ def test_requests_come_in_through_haproxy_to_a_front_per_replica(server, mark):
     fronts = [pid for pid in ray_processes(mark)
               if b"ServeReplica:cllm:Front" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(fronts) == 2
+
+
+def test_the_replicas_run_at_the_servers_priority_not_rays_background_one(server, mark):
+    replicas = [pid for pid in ray_processes(mark)
+                if re.search(rb"ServeReplica:cllm:(Engine|Front)",
+                             Path(f"/proc/{pid}/cmdline").read_bytes())]
+    assert len(replicas) == 4  # two engines, two fronts
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in replicas} == {
+        os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 def test_errors_are_the_single_servers(http):
