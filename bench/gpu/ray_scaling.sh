@@ -11,6 +11,9 @@
 #                                 front replicas tried with each, R: as many as replicas;
 #                                 PLAIN=0 leaves out the plain server; CLIENTS=K drives each
 #                                 level from K benchmark processes, each a Kth of the streams)
+#   bash bench/gpu/ray_scaling.sh independent [GPUS] 1..GPUS plain servers, one per card, no
+#                                 Ray, loaded at once: the host's own scaling (PEER=1: llama-server
+#                                 of the same build instead, PEER_ARGS and PEER_MODEL)
 #   bash bench/gpu/ray_scaling.sh prefix             2 replicas: prefix-aware vs random routing
 #                                 (DOCUMENTS=N PREFIX_TOKENS=T: the shared-prefix workload over
 #                                 N documents of T tokens, default 1 of 1,400)
@@ -23,7 +26,7 @@
 #   SITE=... CACHE=~/.cache/cllm GPUS=2 SERVE_ARGS="--threads 1 --ctx-size 4096 --parallel 4"
 #   PER_REPLICA=4 MAX_TOKENS=8 REQUESTS_PER=2 bash bench/gpu/ray_scaling.sh throughput
 set -u
-PHASE=${1:?phase: stage, install, throughput, prefix or proxy}
+PHASE=${1:?phase: stage, install, throughput, independent, prefix or proxy}
 W=${W:-/root/w}
 GPUS=${2:-${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}}
 OUT=${OUT:-/tmp/ray-scaling}
@@ -33,10 +36,13 @@ PER_REPLICA=${PER_REPLICA:-64}   # concurrency that saturates one replica (its -
 MAX_TOKENS=${MAX_TOKENS:-128}
 REQUESTS_PER=${REQUESTS_PER:-4}  # requests per level, per concurrent stream
 FRONTS=${FRONTS:-R}  # R: as many fronts as replicas, the server's default
+PEER_ARGS=${PEER_ARGS:--np 64 -c 65536 -fa on -bs}  # PEER=1 independent: llama-server's flags
 PY_SPY=${PY_SPY:-$W/site/bin/py-spy}
 RAY_WHEEL=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 RAY_SHA256=b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a
 export CLLM_CACHE_DIR=${CACHE:-$W/cache} PYTHONPATH=${SITE:-$W/site}
+CLLM_PEER_BIN=${CLLM_PEER_BIN:-$W/build/bin}
+PEER_MODEL=${PEER_MODEL:-$CLLM_CACHE_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 mkdir -p "$OUT"
 SERVER_PIDS=()
@@ -47,8 +53,20 @@ free_port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0))
 # no built extension); sets URL and PID once it serves.
 start() {
   local name=$1; shift
+  launch "$name" $PY -m cllm.serve $SERVE_ARGS "$@"
+}
+
+# start_peer NAME: llama-server of the same build (CLLM_PEER_BIN) with PEER_ARGS, as start does.
+start_peer() {
+  launch "$1" "$CLLM_PEER_BIN/llama-server" -m "$PEER_MODEL" -ngl all \
+      --no-webui $PEER_ARGS
+}
+
+# launch NAME CMD...: CMD --port P in its own session; sets URL and PID once it serves.
+launch() {
+  local name=$1; shift
   local port; port=$(free_port)
-  (cd /tmp && exec setsid $PY -m cllm.serve --port "$port" $SERVE_ARGS "$@" > "$OUT/$name.log" 2>&1) &
+  (cd /tmp && exec setsid "$@" --port "$port" > "$OUT/$name.log" 2>&1) &
   PID=$!; URL=http://127.0.0.1:$port; SERVER_PIDS+=("$PID")
   local t0; t0=$(date +%s)
   # Under Ray, /health answers once a front and one replica are up; the load waits for every
@@ -197,17 +215,23 @@ throughput)  # tokens/s at saturating concurrency: the plain server, then Ray wi
   ;;
 independent)  # the host's own ceiling: N plain servers, one per card, no Ray, loaded at once
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+  KIND=plain; [ "${PEER:-0}" = 1 ] && KIND=peer  # PEER=1: llama-server instead of cllm
   for N in ${REPLICA_COUNTS:-$(seq 1 "$GPUS")}; do
     URLS=(); PIDS=()
     for g in $(seq 0 $((N - 1))); do
-      CUDA_VISIBLE_DEVICES=$g start plain-n$N-g$g || exit 1; URLS+=("$URL"); PIDS+=("$PID")
+      if [ "${PEER:-0}" = 1 ]; then
+        CUDA_VISIBLE_DEVICES=$g start_peer peer-n$N-g$g || exit 1
+      else
+        CUDA_VISIBLE_DEVICES=$g start plain-n$N-g$g || exit 1
+      fi
+      URLS+=("$URL"); PIDS+=("$PID")
     done
     CLIENTS_PIDS=()
     for g in $(seq 0 $((N - 1))); do
-      URL=${URLS[g]} start_clients plain-n$N-g$g "$PER_REPLICA" "${CLIENTS:-1}"
+      URL=${URLS[g]} start_clients $KIND-n$N-g$g "$PER_REPLICA" "${CLIENTS:-1}"
     done
     wait "${CLIENTS_PIDS[@]}"
-    aggregate plain-n$N
+    aggregate $KIND-n$N
     for p in "${PIDS[@]}"; do stop "$p"; done
   done
   ;;
