@@ -123,9 +123,8 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
 def _with_schema(t: Target, load, connections: Connections) -> list[Target]:
     """An HTTP server three times, in this order: free; constrained by the ticket schema
     ("<name>+schema"); free again with each reply as long as its constrained one
-    ("<name>+lengths"), which isolates what the constraint itself costs."""
-    if not t.url:
-        return [t]
+    ("<name>+lengths"), which isolates what the constraint itself costs. (The CLI refuses
+    the structured workload with --engine-direct: every target here has a URL.)"""
     lengths = ReplyLengths(load.max_tokens)
     constrained = HttpTarget(t.url, t.model, replace(load, json_schema=prompts.TICKET_SCHEMA),
                              connections)
