@@ -215,16 +215,12 @@ throughput)  # tokens/s at saturating concurrency: the plain server, then Ray wi
   ;;
 independent)  # the host's own ceiling: N plain servers, one per card, no Ray, loaded at once
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
-  KIND=plain; [ "${PEER:-0}" = 1 ] && KIND=peer  # PEER=1: llama-server instead of cllm
+  KIND=plain; START=start
+  [ "${PEER:-0}" = 1 ] && { KIND=peer; START=start_peer; }  # llama-server instead of cllm
   for N in ${REPLICA_COUNTS:-$(seq 1 "$GPUS")}; do
     URLS=(); PIDS=()
     for g in $(seq 0 $((N - 1))); do
-      if [ "${PEER:-0}" = 1 ]; then
-        CUDA_VISIBLE_DEVICES=$g start_peer peer-n$N-g$g || exit 1
-      else
-        CUDA_VISIBLE_DEVICES=$g start plain-n$N-g$g || exit 1
-      fi
-      URLS+=("$URL"); PIDS+=("$PID")
+      CUDA_VISIBLE_DEVICES=$g $START $KIND-n$N-g$g || exit 1; URLS+=("$URL"); PIDS+=("$PID")
     done
     CLIENTS_PIDS=()
     for g in $(seq 0 $((N - 1))); do
