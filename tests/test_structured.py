@@ -403,8 +403,10 @@ def test_every_schema_validates_over_http(server):
     assert outputs == 30
 
 
-@ON_GPU_NOT_BATCH_INVARIANT  # the texts these expect are the CPU's
-def test_json_mode_always_parses(server):
+def test_json_mode_always_parses(server, engine):
+    """A reply that ends is a JSON object. One that max_tokens cuts is a prefix the grammar
+    allows: sampled, a 135M model may loop inside a string (one of these eight did on an AMD
+    EPYC without AVX-512, whose kernels round differently), as it may under OpenAI's JSON mode."""
     questions = ["Describe a cat.", "List three fruits.", "Who are you?", "What is 2+2?"]
 
     async def scenario():
@@ -414,10 +416,15 @@ def test_json_mode_always_parses(server):
                 "temperature": 0.7, "seed": 1, "response_format": {"type": "json_object"}})
                 for q in questions))
 
+    ended = 0
     for texts, reasons in asyncio.run(scenario()):
         for text, reason in zip(texts, reasons):
-            assert reason == "stop", text
-            assert isinstance(json.loads(text), dict)
+            if reason == "stop":
+                assert isinstance(json.loads(text), dict)
+                ended += 1
+            else:
+                assert reason == "length" and _takes(engine, {"type": "object"}, text), text
+    assert ended >= 4
 
 
 def test_gbnf_on_every_route(http):
