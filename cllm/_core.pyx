@@ -246,15 +246,6 @@ cdef carray.array _FLOAT_ARRAY = array("f")
 # Greedy rows per thread of the argmax: fewer do not repay waking a thread.
 cdef int _ROWS_PER_THREAD = 4
 
-# Where a sequence's tokens are sampled (Context.graph_kind): from logits copied to the host, or
-# by llama.cpp's backend sampling inside the decode's graph, greedy, with or without its
-# end-of-generation tokens banned.
-cdef enum:
-    _ON_HOST = 0
-    _GREEDY = 1
-    _GREEDY_NO_EOG = 2
-
-
 cdef llama_context * _new_context(Model model, llama_context_params params, int n_threads,
                                   str what) except NULL:
     """A llama.cpp context over `model` with `params`, `n_threads` (0: every core this process
@@ -283,11 +274,14 @@ cdef class Context:
     cdef llama_batch batch
     cdef llama_sampler ** chains
     cdef unsigned char * ban_eog  # per sequence: its end-of-generation tokens are never sampled
-    # Backend sampling: per slot, the chain llama.cpp samples with in its graph (or NULL), and
-    # which: _ON_HOST, _GREEDY or _GREEDY_NO_EOG. It stays attached after its sequence ends,
-    # because attaching or detaching one makes llama.cpp re-reserve its graph.
+    # Backend sampling: per slot, the slot sampler attached when the context was made
+    # (slot_sampler.c), and whether this slot's rows take the graph's token (else the host
+    # samples them from the logits it reads back into host_logits, row i for output i).
     cdef llama_sampler ** graph_chains
-    cdef unsigned char * graph_kind
+    cdef cllm_slot_table * slot_table  # what they share: each slot's bias row on the device
+    cdef unsigned char * in_graph
+    cdef float * host_logits
+    cdef llama_token_data * candidates  # a host sampler chain's work array, n_vocab entries
     cdef int * eog_ids
     cdef int n_eog, n_threads
     # One step's outputs to sample: sequence, batch index, and logits where greedy (else NULL).
@@ -323,44 +317,84 @@ cdef class Context:
         params.n_ubatch = min(n_ubatch, n_batch)
         params.flash_attn_type = _FLASH_ATTN[flash_attn]
         params.kv_unified = kv_unified
-        if backend_sampling:
-            params.n_outputs_max_per_seq = 1  # a step samples each sequence once
         self.model = model
-        self.ctx = _new_context(model, params, n_threads, f"a context (n_ctx={n_ctx}, "
-                                f"n_seq_max={n_seq_max}, n_batch={n_batch})")
+        self._alloc_sequences(n_seq_max)
+        cdef llama_sampler_seq_config * configs = NULL
+        if backend_sampling:
+            if not kv_unified:
+                raise ValueError("backend_sampling needs the unified KV cache")
+            params.n_outputs_max_per_seq = 1  # a step samples each sequence once
+            # A row's logits stay in the graph only until the next micro-batch: one per decode.
+            params.n_ubatch = params.n_batch
+            configs = self._slot_samplers(n_seq_max)
+            params.samplers, params.n_samplers = configs, n_seq_max
+        try:
+            self.ctx = _new_context(model, params, n_threads, f"a context (n_ctx={n_ctx}, "
+                                    f"n_seq_max={n_seq_max}, n_batch={n_batch})")
+        finally:
+            free(configs)
+        # llama.cpp attaches none where the device cannot run them: then the host samples all.
+        backend_sampling = backend_sampling and cllm_slot_table_ready(self.slot_table)
         self.n_ctx = llama_n_ctx(self.ctx)
         self.n_ctx_seq = llama_n_ctx_seq(self.ctx)
         self.kv_unified = kv_unified
         self.aligned_prefill = aligned_prefill and not kv_unified
         self.backend_sampling = backend_sampling
-        self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_batch = llama_n_batch(self.ctx)
         self.n_vocab = model.n_vocab
         self.mask_words = (self.n_vocab + 31) // 32
         self.n_threads = llama_n_threads(self.ctx)
         self.batch = llama_batch_init(self.n_batch, 0, 1)
-        self.chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
-        self.ban_eog = <unsigned char *> calloc(self.n_seq_max, 1)
-        self.graph_chains = <llama_sampler **> calloc(self.n_seq_max, sizeof(llama_sampler *))
-        self.graph_kind = <unsigned char *> calloc(self.n_seq_max, 1)
         self.out_seq = <int *> malloc(self.n_batch * sizeof(int))
         self.out_row = <int *> malloc(self.n_batch * sizeof(int))
         self.out_idx = <int32_t *> malloc(self.n_batch * sizeof(int32_t))
         self.out_logits = <float **> malloc(self.n_batch * sizeof(float *))
         self.out_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
-        eog = model.eog_tokens
+        self.candidates = <llama_token_data *> malloc(self.n_vocab * sizeof(llama_token_data))
+        if backend_sampling:  # a step has at most one output per sequence
+            self.host_logits = <float *> malloc(<size_t> n_seq_max * self.n_vocab * sizeof(float))
+        if (self.out_seq is NULL or self.out_row is NULL
+                or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
+                or self.out_mask is NULL or self.candidates is NULL
+                or (backend_sampling and self.host_logits is NULL)):
+            raise MemoryError()
+
+    cdef void _alloc_sequences(self, int n_seq_max) except *:
+        """The per-sequence arrays, before the context: slot samplers point into them."""
+        self.n_seq_max = n_seq_max
+        self.chains = <llama_sampler **> calloc(n_seq_max, sizeof(llama_sampler *))
+        self.ban_eog = <unsigned char *> calloc(n_seq_max, 1)
+        self.graph_chains = <llama_sampler **> calloc(n_seq_max, sizeof(llama_sampler *))
+        self.in_graph = <unsigned char *> calloc(n_seq_max, 1)
+        eog = self.model.eog_tokens
         self.n_eog = len(eog)
         self.eog_ids = <int *> malloc(max(1, self.n_eog) * sizeof(int))
-        if (self.chains is NULL or self.ban_eog is NULL or self.out_seq is NULL
-                or self.graph_chains is NULL or self.graph_kind is NULL
-                or self.out_row is NULL
-                or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
-                or self.out_mask is NULL
-                or self.eog_ids is NULL):
+        if (self.chains is NULL or self.ban_eog is NULL or self.graph_chains is NULL
+                or self.in_graph is NULL or self.eog_ids is NULL):
             raise MemoryError()
         for i, token in enumerate(eog):
             self.eog_ids[i] = token
+
+    cdef llama_sampler_seq_config * _slot_samplers(self, int n_seq_max) except NULL:
+        """A slot sampler for every sequence id, for llama.cpp to attach as it makes the
+        context: its graph is then reserved once, whatever each request asks for."""
+        self.slot_table = cllm_slot_table_new(self.model.n_vocab, n_seq_max, self.n_eog,
+                                              <int32_t *> self.eog_ids)
+        cdef llama_sampler_seq_config * configs = <llama_sampler_seq_config *> malloc(
+            n_seq_max * sizeof(llama_sampler_seq_config))
+        if configs is NULL or self.slot_table is NULL:
+            free(configs)
+            raise MemoryError()
+        cdef int seq_id
+        for seq_id in range(n_seq_max):
+            self.graph_chains[seq_id] = cllm_slot_sampler_new(self.slot_table, seq_id)
+            if self.graph_chains[seq_id] is NULL:
+                free(configs)
+                raise MemoryError()
+            configs[seq_id].seq_id = seq_id
+            configs[seq_id].sampler = self.graph_chains[seq_id]
+        return configs
 
     def __dealloc__(self):
         cdef int i
@@ -377,6 +411,8 @@ cdef class Context:
         free(self.out_logits)
         free(<void *> self.out_mask)
         free(self.out_tokens)
+        free(self.candidates)
+        free(self.host_logits)
         if self.batch.token is not NULL:
             llama_batch_free(self.batch)
         if self.ctx is not NULL:
@@ -386,7 +422,9 @@ cdef class Context:
                 if self.graph_chains[i] is not NULL:
                     llama_sampler_free(self.graph_chains[i])
             free(self.graph_chains)
-        free(self.graph_kind)
+        if self.slot_table is not NULL:
+            cllm_slot_table_release(self.slot_table)
+        free(self.in_graph)
 
     cdef void _check_seq(self, int seq_id) except *:
         if seq_id < 0 or seq_id >= self.n_seq_max:
@@ -403,11 +441,10 @@ cdef class Context:
         logits never reach the host, unless `host_logits` (for log-probabilities or bitmasks)."""
         self._check_seq(seq_id)
         self._free_chain(seq_id)
-        self.ban_eog[seq_id] = ban_eog
+        self._ban_eog(seq_id, ban_eog)
         cdef bint penalised = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
         cdef bint greedy = temperature <= 0.0 and not penalised
-        self._sample_in_graph(seq_id, _ON_HOST if not greedy or host_logits
-                              else _GREEDY_NO_EOG if ban_eog else _GREEDY)
+        self.in_graph[seq_id] = self.backend_sampling and greedy and not host_logits
         if greedy:
             return
         cdef llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params())
@@ -433,35 +470,13 @@ cdef class Context:
                 llama_sampler_accept(chain, token)
         self.chains[seq_id] = chain
 
-    cdef void _sample_in_graph(self, int seq_id, unsigned char kind) except *:
-        """Attach the graph's sampler of this kind to the slot (or detach it), unless it is
-        there already: slots keep theirs between sequences, so that a steady mix of requests
-        never makes llama.cpp re-reserve its graph."""
-        if not self.backend_sampling or self.graph_kind[seq_id] == kind:
-            return
-        cdef llama_sampler * chain = NULL
-        if kind != _ON_HOST:
-            chain = llama_sampler_chain_init(llama_sampler_chain_default_params())
-            if kind == _GREEDY_NO_EOG:
-                llama_sampler_chain_add(chain, self._eog_bias())
-            llama_sampler_chain_add(chain, llama_sampler_init_greedy())
-        cdef bint attached = llama_set_sampler(self.ctx, seq_id, chain)
-        if self.graph_chains[seq_id] is not NULL:  # no longer in llama.cpp's hands
-            llama_sampler_free(self.graph_chains[seq_id])
-        self.graph_chains[seq_id], self.graph_kind[seq_id] = chain, kind
-        if not attached:  # the device cannot run these samplers: every slot samples on the host
-            self.graph_chains[seq_id], self.graph_kind[seq_id] = NULL, _ON_HOST
-            llama_sampler_free(chain)
-            self._detach_all()
-            self.backend_sampling = False
-
-    cdef void _detach_all(self) except *:
-        cdef int seq_id
-        for seq_id in range(self.n_seq_max):
-            if self.graph_chains[seq_id] is not NULL:
-                llama_set_sampler(self.ctx, seq_id, NULL)
-                llama_sampler_free(self.graph_chains[seq_id])
-                self.graph_chains[seq_id], self.graph_kind[seq_id] = NULL, _ON_HOST
+    cdef void _ban_eog(self, int seq_id, bint ban):
+        """Whether `seq_id` may sample end-of-generation tokens, on the host and in the graph
+        (whose bias row for the slot is written now, between decodes)."""
+        self.ban_eog[seq_id] = ban
+        if self.backend_sampling:
+            llama_synchronize(self.ctx)
+            cllm_slot_sampler_ban_eog(self.graph_chains[seq_id], ban)
 
     cdef llama_sampler * _eog_bias(self) except NULL:
         """A sampler that sets every end-of-generation token's logit to -inf."""
@@ -489,15 +504,16 @@ cdef class Context:
         self._check_seq(seq_id)
         cdef ParkedSampler parked = ParkedSampler.__new__(ParkedSampler)
         parked.chain, parked.ban_eog = self.chains[seq_id], self.ban_eog[seq_id]
-        parked.graph_kind = self.graph_kind[seq_id]
+        parked.in_graph = self.in_graph[seq_id]
         self.chains[seq_id], self.ban_eog[seq_id] = NULL, 0
         return parked
 
     def restore_sampler(self, int seq_id, ParkedSampler parked):
         self._check_seq(seq_id)
         self._free_chain(seq_id)
-        self.chains[seq_id], self.ban_eog[seq_id] = parked.chain, parked.ban_eog
-        self._sample_in_graph(seq_id, parked.graph_kind)
+        self.chains[seq_id] = parked.chain
+        self._ban_eog(seq_id, parked.ban_eog)
+        self.in_graph[seq_id] = parked.in_graph
         parked.chain = NULL
 
     def remove_sequence(self, int seq_id):
@@ -792,32 +808,35 @@ cdef class Context:
             return False
         return count == 0 or not llama_vocab_is_eog(self.model.vocab, row_tokens[count - 1])
 
-    cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
+    cdef float * _sample_outputs(self, int n, int * out) noexcept nogil:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
-        one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Those
-        with a sampler chain go in turn, the greedy ones by an argmax spread over the threads (on
-        a GPU the logits of a 64-row step are 12 MB; one core scanning them took a third of the
-        step), each masked first in the same loop."""
+        one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Rows
+        sampled in the graph take its token; those with a sampler chain go in turn, the greedy
+        ones by an argmax spread over the threads (on a GPU the logits of a 64-row step are
+        12 MB; one core scanning them took a third of the step), each masked first in the same
+        loop. Returns where output i's logits lie on the host (row i), or NULL."""
         cdef int i, n_greedy = 0
         cdef llama_sampler * chain
         cdef float ** logits = self.out_logits
-        # One wait for the GPU: the outputs' logits lie in batch order, row i for output i
-        # (llama_get_logits_ith would synchronise once per row).
-        cdef float * all_logits = llama_get_logits(self.ctx)
+        cdef float * all_logits = self._host_logits(n)
+        cdef float * row
         self._await_masks(n)
         for i in range(n):
             chain = self.chains[self.out_seq[i]]
             logits[i] = NULL
             out[i] = -1
-            if self.graph_kind[self.out_seq[i]] != _ON_HOST:  # the graph sampled it
+            if self.in_graph[self.out_seq[i]]:
                 out[i] = llama_get_sampled_token_ith(self.ctx, self.out_idx[i])
-            elif chain is not NULL:
-                if self.out_mask[i] != NULL and all_logits is not NULL:
-                    _apply_mask(all_logits + <size_t> i * self.n_vocab, self.n_vocab,
-                                self.out_mask[i])
-                out[i] = llama_sampler_sample(chain, self.ctx, self.out_idx[i])
-            elif all_logits is not NULL:
-                logits[i] = all_logits + <size_t> i * self.n_vocab
+                continue
+            if all_logits is NULL:
+                continue
+            row = all_logits + <size_t> i * self.n_vocab
+            if chain is not NULL:
+                if self.out_mask[i] != NULL:
+                    _apply_mask(row, self.n_vocab, self.out_mask[i])
+                out[i] = self._sample_chain(chain, row)
+            else:
+                logits[i] = row
                 n_greedy += 1
         cdef int threads = min(self.n_threads, max(1, n_greedy // _ROWS_PER_THREAD))
         cdef const unsigned char * ban = self.ban_eog
@@ -830,6 +849,41 @@ cdef class Context:
                 if masks[i] != NULL:
                     _apply_mask(logits[i], n_vocab, masks[i])
                 out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
+        return all_logits
+
+    cdef float * _host_logits(self, int n) noexcept nogil:
+        """Where the logits of the step's n outputs lie on the host, row i for output i (one
+        wait for the GPU: llama_get_logits_ith would synchronise once per row). With backend
+        sampling, only the rows the host samples are there, read back from the graph: their
+        token is -1 if the graph holds none (it always does with one micro-batch a decode)."""
+        if not self.backend_sampling:
+            return llama_get_logits(self.ctx)
+        llama_synchronize(self.ctx)
+        cdef int i, seq_id
+        for i in range(n):
+            seq_id = self.out_seq[i]
+            if not self.in_graph[seq_id] and cllm_slot_sampler_read_logits(
+                    self.graph_chains[seq_id], self.host_logits + <size_t> i * self.n_vocab,
+                    self.n_vocab) != 0:
+                return NULL
+        return self.host_logits
+
+    cdef int _sample_chain(self, llama_sampler * chain, const float * logits) noexcept nogil:
+        """The token `chain` picks from one row of logits, which it then accepts, as
+        llama_sampler_sample does (which takes the graph's token whenever the graph sampled)."""
+        cdef int token
+        for token in range(self.n_vocab):
+            self.candidates[token].id = token
+            self.candidates[token].logit = logits[token]
+            self.candidates[token].p = 0.0
+        cdef llama_token_data_array cur
+        cur.data, cur.size, cur.selected, cur.sorted = self.candidates, self.n_vocab, -1, False
+        llama_sampler_apply(chain, &cur)
+        if cur.selected < 0 or <size_t> cur.selected >= cur.size:
+            return -1
+        token = cur.data[cur.selected].id
+        llama_sampler_accept(chain, token)
+        return token
 
     cdef void _await_masks(self, int n) noexcept nogil:
         """Wait until the step's bitmasks are filled, if a row of these n outputs has one."""
@@ -847,7 +901,7 @@ cdef class Context:
         """Log-probabilities and bitmasks need a row's logits on the host."""
         cdef Py_ssize_t r
         for r in range(seq_ids.shape[0]):
-            if sample[r] and self.graph_kind[seq_ids[r]] != _ON_HOST and (
+            if sample[r] and self.in_graph[seq_ids[r]] and (
                     (top_logprobs is not None and top_logprobs[r] >= 0)
                     or (mask_rows is not None and mask_rows[r] >= 0)):
                 raise ValueError(f"sequence {seq_ids[r]} is sampled in the graph: log-probabilities "
@@ -893,6 +947,7 @@ cdef class Context:
         log-probabilities, while that call's logits are there)."""
         cdef int c, p, j, r, i, n_out, first = 0
         cdef int32_t rc
+        cdef float * host_logits
         for r in range(pieces.n_rows):
             out[r] = -1
         for c in range(pieces.n_calls):
@@ -921,12 +976,12 @@ cdef class Context:
             if rc != 0:
                 failed_call[0] = c
                 return rc
-            self._sample_outputs(n_out, self.out_tokens)
+            host_logits = self._sample_outputs(n_out, self.out_tokens)
             for i in range(n_out):
                 r = self.out_row[i]
                 out[r] = self.out_tokens[i]
-                if wanted.top != NULL and wanted.top[r] >= 0:
-                    _fill_logprobs(llama_get_logits_ith(self.ctx, self.out_idx[i]), self.n_vocab,
+                if wanted.top != NULL and wanted.top[r] >= 0 and host_logits != NULL:
+                    _fill_logprobs(host_logits + <size_t> i * self.n_vocab, self.n_vocab,
                                    out[r], min(wanted.top[r], wanted.k), &wanted.chosen[r],
                                    &wanted.top_ids[r * wanted.k],
                                    &wanted.top_lps[r * wanted.k])
@@ -1132,7 +1187,7 @@ cdef class Embedder:
 cdef class ParkedSampler:
     """A sequence's sampler while it is preempted (Context.park_sampler); freed if unused."""
     cdef llama_sampler * chain
-    cdef unsigned char ban_eog, graph_kind
+    cdef unsigned char ban_eog, in_graph
 
     def __dealloc__(self):
         if self.chain is not NULL:

@@ -54,6 +54,10 @@ cdef extern from "llama.h" nogil:
         bint vocab_only
         bint use_extra_bufts
 
+    cdef struct llama_sampler_seq_config:
+        llama_seq_id seq_id
+        llama_sampler * sampler
+
     cdef struct llama_context_params:
         uint32_t n_ctx
         uint32_t n_batch
@@ -68,6 +72,19 @@ cdef extern from "llama.h" nogil:
         bint kv_unified
         bint swa_full
         uint32_t n_outputs_max_per_seq
+        llama_sampler_seq_config * samplers
+        size_t n_samplers
+
+    ctypedef struct llama_token_data:
+        llama_token id
+        float logit
+        float p
+
+    ctypedef struct llama_token_data_array:
+        llama_token_data * data
+        size_t size
+        int64_t selected
+        bint sorted
 
     ctypedef struct llama_sampler_chain_params:
         bint no_perf
@@ -129,15 +146,14 @@ cdef extern from "llama.h" nogil:
     void llama_batch_free(llama_batch batch)
     int32_t llama_decode(llama_context * ctx, llama_batch batch)
     float * llama_get_logits(llama_context * ctx)
-    float * llama_get_logits_ith(llama_context * ctx, int32_t i)
     float * llama_get_embeddings_seq(llama_context * ctx, llama_seq_id seq_id)
 
     llama_sampler * llama_sampler_chain_init(llama_sampler_chain_params params)
     void llama_sampler_chain_add(llama_sampler * chain, llama_sampler * smpl)
     void llama_sampler_free(llama_sampler * smpl)
     void llama_sampler_accept(llama_sampler * smpl, llama_token token)
-    llama_token llama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_t idx)
-    bint llama_set_sampler(llama_context * ctx, llama_seq_id seq_id, llama_sampler * smpl)
+    void llama_sampler_apply(llama_sampler * smpl, llama_token_data_array * cur_p)
+    void llama_synchronize(llama_context * ctx)
     llama_token llama_get_sampled_token_ith(llama_context * ctx, int32_t i)
     llama_sampler * llama_sampler_init_greedy()
     llama_sampler * llama_sampler_init_dist(uint32_t seed)
@@ -153,3 +169,15 @@ cdef extern from "llama.h" nogil:
     llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
                                                  float penalty_repeat, float penalty_freq,
                                                  float penalty_present)
+
+
+cdef extern from "slot_sampler.h" nogil:
+    cdef struct cllm_slot_table:
+        pass
+    cllm_slot_table * cllm_slot_table_new(int32_t n_vocab, int32_t n_slots, int32_t n_eog,
+                                          const int32_t * eog_ids)
+    void cllm_slot_table_release(cllm_slot_table * table)
+    bint cllm_slot_table_ready(const cllm_slot_table * table)
+    llama_sampler * cllm_slot_sampler_new(cllm_slot_table * table, int32_t slot)
+    void cllm_slot_sampler_ban_eog(llama_sampler * chain, bint ban)
+    int cllm_slot_sampler_read_logits(llama_sampler * chain, float * dst, size_t n_vocab)

@@ -84,8 +84,8 @@ class EngineConfig:
     kv_unified: bool | None = None
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
-    # travel to the host. Off: as built, each slot's first attach makes llama.cpp re-reserve its
-    # graph, which cost more than it saved (ARCHITECTURE.md has the measurements).
+    # travel to the host. Needs one KV pool. Off: the version measured on a GPU cost more than it
+    # saved, and the one that should not is not measured yet (ARCHITECTURE.md).
     backend_sampling: bool = False
     n_batch: int = 512
     # Prompt tokens a step may spend ending prompts besides the first it ends; 0: 16 on a CPU,

@@ -322,8 +322,9 @@ def test_sampling_in_the_graph_gives_the_host_greedy_tokens_beside_host_rows(gra
 
 
 def test_a_slot_changes_where_it_samples_with_each_sequence(graph_ctx, model):
-    """Slots keep their graph sampler between sequences; a sequence that needs another kind
-    (host, greedy, greedy without end tokens) gets it, and a parked sampler moves along."""
+    """Every slot keeps the sampler attached when the context was made; a sequence that needs
+    another kind (host, greedy, greedy without end tokens) gets it, and a parked sampler moves
+    along."""
     host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True)
     for kind in ({}, {"temperature": 0.7, "seed": 5}, {"ban_eog": True}, {"host_logits": True},
                  {}):
@@ -340,6 +341,41 @@ def test_a_slot_changes_where_it_samples_with_each_sequence(graph_ctx, model):
     graph_ctx.remove_sequence(5)
     expected = generate_together(host_ctx, model, [PROMPTS[3]], 2, ban_eog=True)[0]
     assert [first[0], nxt[0]] == expected
+
+
+def test_rows_the_host_samples_read_their_logits_back_from_the_graph(graph_ctx, model):
+    """Beside rows sampled in the graph, a row that wants log-probabilities or a bitmask gets
+    them from the logits the graph kept: the same as a context that samples on the host."""
+    host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True)
+    digits = array("i", [0]) * graph_ctx.mask_words
+    for token in model.tokenize("0123456789", add_special=False):
+        digits[token // 32] |= 1 << (token % 32)
+
+    def run(context):
+        tokens = [model.tokenize(p) for p in PROMPTS[:3]]
+        context.set_sampler(0)
+        context.set_sampler(1, host_logits=True)
+        context.set_sampler(2, host_logits=True)
+        out, lp = context.step(ints([0, 1, 2]), ints([0, 0, 0]), ints([len(t) for t in tokens]),
+                               ints([1, 1, 1]), ints([t for row in tokens for t in row]),
+                               ints([-1, 3, -1]), ints([-1, -1, 0]), digits)
+        for seq_id in range(3):
+            context.remove_sequence(seq_id)
+        return list(out), lp.row(1)
+
+    graph_out, graph_lp = run(graph_ctx)
+    host_out, host_lp = run(host_ctx)
+    assert graph_out == host_out
+    assert model.token_to_piece(graph_out[2]).decode() in "0123456789"
+    (graph_chosen, graph_top), (host_chosen, host_top) = graph_lp, host_lp
+    assert [t for t, _ in graph_top] == [t for t, _ in host_top] and len(graph_top) == 3
+    assert graph_chosen == pytest.approx(host_chosen, abs=1e-4)
+    assert [lp for _, lp in graph_top] == pytest.approx([lp for _, lp in host_top], abs=1e-4)
+
+
+def test_backend_sampling_needs_one_kv_pool(model):
+    with pytest.raises(ValueError, match="unified"):
+        _core.Context(model, n_ctx=4096, n_seq_max=4, kv_unified=False, backend_sampling=True)
 
 
 def test_a_sequence_sampled_in_the_graph_refuses_logprobs_and_bitmasks(graph_ctx, model):

@@ -1,0 +1,35 @@
+/* Sampling inside llama.cpp's decode graph, one sampler per sequence slot (see slot_sampler.c). */
+#ifndef CLLM_SLOT_SAMPLER_H
+#define CLLM_SLOT_SAMPLER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "llama.h"
+
+/* What a context's slot samplers share: each slot's row of logit biases, kept on the device. */
+struct cllm_slot_table;
+
+/* A table for `n_slots` slots of a `n_vocab` vocabulary whose end-of-generation tokens are the
+   `n_eog` ids at `eog_ids` (copied). The caller holds one reference, each sampler another; the
+   table goes with the last. NULL when out of memory. */
+struct cllm_slot_table * cllm_slot_table_new(int32_t n_vocab, int32_t n_slots, int32_t n_eog,
+                                             const int32_t * eog_ids);
+void cllm_slot_table_release(struct cllm_slot_table * table);
+
+/* Whether llama.cpp attached the samplers: their device rows exist once it has. */
+int cllm_slot_table_ready(const struct cllm_slot_table * table);
+
+/* A sampler chain for slot `slot` of `table`, to attach when the context is made
+   (llama_context_params.samplers): greedy in the graph. NULL when out of memory. */
+struct llama_sampler * cllm_slot_sampler_new(struct cllm_slot_table * table, int32_t slot);
+
+/* Ban (nonzero) or allow this slot's end-of-generation tokens from the next decode on. Writes
+   the device row, so no decode may be running. */
+void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban);
+
+/* Copy the `n_vocab` logits of this slot's row in the last decode into `dst`, for a row the host
+   samples. 0, or -1 when the last decode's graph holds no row of this size for it. */
+int cllm_slot_sampler_read_logits(struct llama_sampler * chain, float * dst, size_t n_vocab);
+
+#endif
