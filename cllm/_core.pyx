@@ -859,6 +859,8 @@ cdef class Context:
         if not self.backend_sampling:
             return llama_get_logits(self.ctx)
         llama_synchronize(self.ctx)
+        if n > self.n_seq_max:  # host_logits holds a row per sequence, as llama.cpp allows
+            return NULL
         cdef int i, seq_id
         for i in range(n):
             seq_id = self.out_seq[i]
