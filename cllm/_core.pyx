@@ -333,8 +333,9 @@ cdef class Context:
                                     f"n_seq_max={n_seq_max}, n_batch={n_batch})")
         finally:
             free(configs)
-        # llama.cpp attaches none where the device cannot run them: then the host samples all.
-        backend_sampling = backend_sampling and cllm_slot_table_ready(self.slot_table)
+        if backend_sampling and not cllm_slot_table_ready(self.slot_table):
+            self._detach_slot_samplers()  # then the host samples every row
+            backend_sampling = False
         self.n_ctx = llama_n_ctx(self.ctx)
         self.n_ctx_seq = llama_n_ctx_seq(self.ctx)
         self.kv_unified = kv_unified
@@ -395,6 +396,14 @@ cdef class Context:
             configs[seq_id].seq_id = seq_id
             configs[seq_id].sampler = self.graph_chains[seq_id]
         return configs
+
+    cdef void _detach_slot_samplers(self):
+        """Where their table could not be made on the device (or llama.cpp attached none),
+        llama.cpp still holds the samplers it attached, and with them it would copy no logits
+        for the host: take them back (one more reserve, on this failure path only)."""
+        cdef int seq_id
+        for seq_id in range(self.n_seq_max):
+            llama_set_sampler(self.ctx, seq_id, NULL)
 
     def __dealloc__(self):
         cdef int i

@@ -153,6 +153,7 @@ cdef extern from "llama.h" nogil:
     void llama_sampler_free(llama_sampler * smpl)
     void llama_sampler_accept(llama_sampler * smpl, llama_token token)
     void llama_sampler_apply(llama_sampler * smpl, llama_token_data_array * cur_p)
+    bint llama_set_sampler(llama_context * ctx, llama_seq_id seq_id, llama_sampler * smpl)
     void llama_synchronize(llama_context * ctx)
     llama_token llama_get_sampled_token_ith(llama_context * ctx, int32_t i)
     llama_sampler * llama_sampler_init_greedy()
