@@ -362,7 +362,8 @@ cdef class Context:
             raise MemoryError()
 
     cdef void _alloc_sequences(self, int n_seq_max) except *:
-        """The per-sequence arrays, before the context: slot samplers point into them."""
+        """The per-sequence arrays and the end-of-generation ids, before the context: the slot
+        samplers llama.cpp attaches while making it are made from them."""
         self.n_seq_max = n_seq_max
         self.chains = <llama_sampler **> calloc(n_seq_max, sizeof(llama_sampler *))
         self.ban_eog = <unsigned char *> calloc(n_seq_max, 1)
