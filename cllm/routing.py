@@ -97,16 +97,21 @@ class HashRing:
         """The replica for `key`, given each replica's requests in flight (missing: 0). With
         `capacity` (the sequences a replica decodes at once), a replica that has every slot
         busy is passed over while another has one free: a request queued behind a full replica
-        waits longer than it takes to prefill its prefix elsewhere, and the free slot idles."""
+        waits longer than it takes to prefill its prefix elsewhere, and the free slot idles.
+        When every replica is full, the request queues where the fewest wait (the key's own
+        replica among equals): its queue empties no later than the others'."""
         if not self.replicas:
             raise ValueError("no replicas to choose from")
-        total = sum(loads.get(r, 0) for r in self.replicas)
-        bound = math.ceil(self.load_factor * (total + 1) / len(self.replicas))
-        if capacity is not None and any(loads.get(r, 0) < capacity for r in self.replicas):
+        order = self.order(key)
+        if capacity is not None and all(loads.get(r, 0) >= capacity for r in order):
+            return min(order, key=lambda r: loads.get(r, 0))  # min keeps the first of equals
+        total = sum(loads.get(r, 0) for r in order)
+        bound = math.ceil(self.load_factor * (total + 1) / len(order))
+        if capacity is not None:
             bound = min(bound, capacity)
         # One always fits: the least loaded holds at most the mean, rounded down, and has a
-        # free slot if any replica has.
-        return next(r for r in self.order(key) if loads.get(r, 0) + 1 <= bound)
+        # free slot.
+        return next(r for r in order if loads.get(r, 0) + 1 <= bound)
 
 
 def least_loaded(replicas: Iterable[Hashable], loads: Mapping[Hashable, int]) -> list[Hashable]:

@@ -91,7 +91,22 @@ def test_a_replica_with_every_slot_busy_is_passed_over_while_another_has_one():
     first, second = ring.order("k")
     assert ring.choose("k", {first: 9, second: 7}) == first  # within 1.25x the mean
     assert ring.choose("k", {first: 8, second: 7}, capacity=8) == second
-    assert ring.choose("k", {first: 8, second: 8}, capacity=8) == first  # all full: the ring
+
+
+def test_when_every_replica_is_full_the_request_queues_where_fewest_wait():
+    ring = HashRing(["a", "b"], load_factor=1.25)
+    first, second = ring.order("k")
+    assert ring.choose("k", {first: 8, second: 8}, capacity=8) == first  # equals: the ring
+    assert ring.choose("k", {first: 9, second: 8}, capacity=8) == second  # within 1.25x, yet
+    assert ring.choose("k", {first: 8, second: 12}, capacity=8) == first
+
+
+def test_a_full_pool_stays_balanced_under_one_hot_key():
+    ring = HashRing(["a", "b", "c"], load_factor=1.25)
+    loads = dict.fromkeys("abc", 8)  # every slot busy; each new request queues somewhere
+    for _ in range(30):
+        loads[ring.choose("hot", loads, capacity=8)] += 1
+    assert max(loads.values()) - min(loads.values()) <= 1
 
 
 def test_a_load_factor_below_one_is_refused():
