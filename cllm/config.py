@@ -84,9 +84,10 @@ class EngineConfig:
     kv_unified: bool | None = None
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
-    # travel to the host. Needs one KV pool. Off: the version measured on a GPU cost more than it
-    # saved, and the one that should not is not measured yet (ARCHITECTURE.md).
-    backend_sampling: bool = False
+    # travel to the host. Needs one KV pool. None: on where a GPU runs the model with one pool
+    # (on an H200 as fast or faster at 1, 8 and 64 streams), off on a CPU, where the logits are
+    # in host memory already (ARCHITECTURE.md).
+    backend_sampling: bool | None = None
     n_batch: int = 512
     # Prompt tokens a step may spend ending prompts besides the first it ends; 0: 16 on a CPU,
     # where every token of a step costs about the same, and n_batch on a GPU (ARCHITECTURE.md,

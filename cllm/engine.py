@@ -114,7 +114,9 @@ class Engine:
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
                                  kv_unified=self.kv_unified, aligned_prefill=aligned,
-                                 backend_sampling=config.backend_sampling)
+                                 backend_sampling=(gpu and self.kv_unified
+                                                   if config.backend_sampling is None
+                                                   else config.backend_sampling))
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,

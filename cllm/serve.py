@@ -42,8 +42,8 @@ OPTIONS = {
                    "default: split on a CPU, one pool on a GPU)"),
     "backend_sampling": (_flag, _ENGINE.backend_sampling,
                          "sample greedy requests inside llama.cpp's graph on the device, so their "
-                         "logits never reach the host; needs one KV pool (not yet measured "
-                         "faster: see ARCHITECTURE.md)"),
+                         "logits never reach the host; needs one KV pool (default: on a GPU "
+                         "with one pool, off on a CPU)"),
     "prefix_cache": (_flag, _ENGINE.prefix_cache,
                      "start requests from cached KV of the prompt prefixes they share"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),

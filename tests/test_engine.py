@@ -315,6 +315,7 @@ def test_a_shared_prefix_is_computed_once(model_path):
     eng = Engine(EngineConfig(n_ctx=8 * 1024, n_parallel=8, n_threads=2), model_path)
     try:
         assert eng.kv_unified is _core.supports_gpu_offload()  # the default layout
+        assert eng.ctx.backend_sampling is _core.supports_gpu_offload()  # and sampling
         token_lists = [eng.model.tokenize(p) for p in prompts]
 
         async def together():
