@@ -482,10 +482,10 @@ cdef class Context:
 
     cdef void _ban_eog(self, int seq_id, bint ban):
         """Whether `seq_id` may sample end-of-generation tokens, on the host and in the graph
-        (whose bias row for the slot is written now, between decodes)."""
+        (whose bias row for the slot is written now, between decodes, if it changes)."""
         self.ban_eog[seq_id] = ban
-        if self.backend_sampling:
-            llama_synchronize(self.ctx)
+        if self.backend_sampling and cllm_slot_sampler_bans_eog(self.graph_chains[seq_id]) != ban:
+            llama_synchronize(self.ctx)  # no decode may still read the row
             cllm_slot_sampler_ban_eog(self.graph_chains[seq_id], ban)
 
     cdef llama_sampler * _eog_bias(self) except NULL:

@@ -180,5 +180,6 @@ cdef extern from "slot_sampler.h" nogil:
     void cllm_slot_table_release(cllm_slot_table * table)
     bint cllm_slot_table_ready(const cllm_slot_table * table)
     llama_sampler * cllm_slot_sampler_new(cllm_slot_table * table, int32_t slot)
+    bint cllm_slot_sampler_bans_eog(llama_sampler * chain)
     void cllm_slot_sampler_ban_eog(llama_sampler * chain, bint ban)
     int cllm_slot_sampler_read_logits(llama_sampler * chain, float * dst, size_t n_vocab)

@@ -205,6 +205,10 @@ static struct slot_sampler * slot_of(struct llama_sampler * chain) {
     return llama_sampler_chain_get(chain, 0)->ctx;
 }
 
+int cllm_slot_sampler_bans_eog(struct llama_sampler * chain) {
+    return slot_of(chain)->banned;
+}
+
 void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban) {
     struct slot_sampler * s = slot_of(chain);
     const struct cllm_slot_table * t = s->table;

@@ -24,8 +24,11 @@ int cllm_slot_table_ready(const struct cllm_slot_table * table);
    (llama_context_params.samplers): greedy in the graph. NULL when out of memory. */
 struct llama_sampler * cllm_slot_sampler_new(struct cllm_slot_table * table, int32_t slot);
 
+/* Whether this slot bans its end-of-generation tokens now. */
+int cllm_slot_sampler_bans_eog(struct llama_sampler * chain);
+
 /* Ban (nonzero) or allow this slot's end-of-generation tokens from the next decode on. Writes
-   the device row, so no decode may be running. */
+   the device row when the ban changes, so no decode may be running then. */
 void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban);
 
 /* Copy the `n_vocab` logits of this slot's row in the last decode into `dst`, for a row the host
