@@ -85,8 +85,8 @@ class EngineConfig:
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
     # travel to the host. Needs one KV pool. None: on where a GPU runs the model with one pool
-    # (on an H200 as fast or faster at 1, 8 and 64 streams), off on a CPU, where the logits are
-    # in host memory already (ARCHITECTURE.md).
+    # and n_ubatch = n_batch (on an H200 as fast or faster at 1, 8 and 64 streams), off on a
+    # CPU, where the logits are in host memory already (ARCHITECTURE.md).
     backend_sampling: bool | None = None
     n_batch: int = 512
     # Prompt tokens a step may spend ending prompts besides the first it ends; 0: 16 on a CPU,

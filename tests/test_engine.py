@@ -7,7 +7,7 @@ import pytest
 
 from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
-from cllm.engine import Engine, EngineStoppedError, PromptTooLongError
+from cllm.engine import Engine, EngineStoppedError, PromptTooLongError, default_backend_sampling
 from cllm.prefix_cache import common_prefix
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from test_core import ON_GPU_NOT_BATCH_INVARIANT
@@ -305,6 +305,16 @@ def test_default_kv_layout_is_split_on_a_cpu_and_one_pool_on_a_gpu(engine):
     default = EngineConfig()
     assert default.kv_unified is None and default.prefix_cache
     assert engine.kv_unified is False  # the module engine asks for split explicitly
+
+
+def test_the_graph_samples_by_default_on_a_gpu_with_one_pool_and_one_micro_batch(monkeypatch):
+    monkeypatch.setattr(_core, "supports_gpu_offload", lambda: True)
+    assert default_backend_sampling(EngineConfig(), kv_unified=True)
+    assert not default_backend_sampling(EngineConfig(), kv_unified=False)
+    # a smaller micro-batch asked for stays: sampling in the graph would make it n_batch
+    assert not default_backend_sampling(EngineConfig(n_batch=2048, n_ubatch=512), kv_unified=True)
+    monkeypatch.setattr(_core, "supports_gpu_offload", lambda: False)
+    assert not default_backend_sampling(EngineConfig(), kv_unified=True)
 
 
 def test_a_shared_prefix_is_computed_once(model_path):
