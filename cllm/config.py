@@ -7,6 +7,8 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
+from cllm.prefix_cache import ReplyRetention
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_TOP_LOGPROBS = 20
@@ -83,6 +85,9 @@ class EngineConfig:
     # (ARCHITECTURE.md has the measurements).
     kv_unified: bool | None = None
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
+    # Whether finished sequences' replies stay cached in one pool (split streams keep them):
+    # "auto" while recent requests continue earlier replies (chats), "keep" or "drop".
+    cache_replies: str = "auto"
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
     # travel to the host. Needs one KV pool. None: on where a GPU runs the model with one pool
     # and n_ubatch = n_batch (on an H200 as fast or faster at 1, 8 and 64 streams), off on a
@@ -118,6 +123,9 @@ class EngineConfig:
         if self.cpu_wait not in CPU_WAIT_MODES:
             raise ValueError(f"cpu_wait must be one of {', '.join(CPU_WAIT_MODES)}, "
                              f"got {self.cpu_wait!r}")
+        if self.cache_replies not in ReplyRetention.MODES:
+            raise ValueError(f"cache_replies must be one of {', '.join(ReplyRetention.MODES)}, "
+                             f"got {self.cache_replies!r}")
 
 
 @dataclass(slots=True)

@@ -9,10 +9,15 @@ Cells are counted exactly even when slots share them. A *group* is the run of ce
 computation wrote, from its first position on; a slot holds, group by group, a prefix of each
 (`Run`). llama.cpp frees a cell when no seq id holds it, so a group takes as many cells as its
 longest claim. With split KV streams, sharing copies the cells, so every slot has groups of its
-own. Pure Python: no llama.cpp here; the scheduler turns decisions into `KvOp`s for the engine."""
+own. Pure Python: no llama.cpp here; the scheduler turns decisions into `KvOp`s for the engine.
+
+In one pool every row of a step attends over every cell held, so a finished sequence's reply
+costs every later step; `ReplyRetention` decides whether replies stay cached (ARCHITECTURE.md,
+"Which replies stay cached")."""
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -27,16 +32,19 @@ class Run:
 @dataclass(slots=True, eq=False)
 class Slot:
     id: int
-    tokens: list[int] = field(default_factory=list)  # the tokens at positions 0.. in its KV
+    # Idle: the tokens its last sequence computed, at positions 0..; its KV may hold only the
+    # first `cached` of them (a dropped reply is remembered, to notice when replies come back).
+    tokens: list[int] = field(default_factory=list)
     prompt_length: int = 0  # how many of them were its sequence's prompt
-    runs: list[Run] = field(default_factory=list)     # the cell groups behind those positions
+    runs: list[Run] = field(default_factory=list)     # the cell groups behind positions 0..
     live: bool = False      # a running sequence writes it
     last_used: int = 0      # a clock tick, for least-recently-used eviction
     own_group: int | None = None  # the group it is extending, if its last run is its own
 
     @property
-    def length(self) -> int:
-        return len(self.tokens)
+    def cached(self) -> int:
+        """Positions 0.. whose cells the slot holds."""
+        return self.runs[-1].end if self.runs else 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,10 +59,39 @@ class KvOp:
 
 @dataclass(slots=True, frozen=True)
 class Placement:
-    """Where a new sequence goes: slot `dst`, starting from `src`'s first `length` tokens."""
+    """Where a new sequence goes: slot `dst`, starting from `src`'s first `length` tokens.
+    `continues_reply`: its prompt goes on past an idle slot's prompt into that slot's reply."""
     dst: Slot
     src: Slot | None
     length: int
+    continues_reply: bool = False
+
+
+class ReplyRetention:
+    """Whether finished sequences keep their replies' cells, or only their prompts', in one
+    pool. Kept replies are what a chat's next turn starts from, but every step attends over
+    them; one-shot requests never reuse them. `auto` keeps them while at least `SHARE` of the
+    last `WINDOW` admissions continued a finished sequence's reply (kept or dropped: a slot
+    remembers its reply's tokens either way, so the signal survives dropping); `keep` and `drop`
+    decide once for all."""
+
+    MODES = ("auto", "keep", "drop")
+    WINDOW = 32
+    SHARE = 0.25
+
+    def __init__(self, mode: str = "auto") -> None:
+        self.mode = mode
+        self._recent: deque[bool] = deque(maxlen=self.WINDOW)
+
+    def admitted(self, continues_reply: bool) -> None:
+        self._recent.append(continues_reply)
+
+    @property
+    def keeps_replies(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "keep"
+        # Until an admission says otherwise, replies stay: a chat's second turn needs the first.
+        return not self._recent or sum(self._recent) >= self.SHARE * len(self._recent)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -82,9 +119,12 @@ class PrefixCache:
     REUSE_IN_PLACE = 0.5
 
     def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True,
-                 block: int = 1) -> None:
+                 block: int = 1, replies: str = "auto") -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         self.shared_cells = shared_cells
+        # Split streams: an idle stream is outside every other row's attention, so it costs
+        # nothing to keep; only one pool needs a rule.
+        self.retention = ReplyRetention(replies if shared_cells else "keep")
         self.block = block
         self.enabled = enabled
         self.cells_used = 0
@@ -105,23 +145,29 @@ class PrefixCache:
     def best_match(self, tokens: list[int], limit: int, live_prefix) -> tuple[Slot | None, int]:
         """The slot holding the longest prefix of `tokens`, at most `limit` long. A live slot is
         read through `live_prefix(slot)`: (tokens, how many of them are computed)."""
-        best, best_len = None, 0
+        best, best_len, _ = self._match(tokens, limit, live_prefix)
+        return best, best_len
+
+    def _match(self, tokens: list[int], limit: int, live_prefix) -> tuple[Slot | None, int, bool]:
+        """best_match, and whether `tokens` go on into an idle slot's reply."""
+        best, best_len, continues_reply = None, 0, False
         if not self.enabled or limit <= 0:
-            return None, 0
+            return None, 0, False
         for slot in self.slots:
             if slot.live:
                 held, usable = live_prefix(slot)
                 prompt_length = len(held)
             else:
-                held, usable, prompt_length = slot.tokens, slot.length, slot.prompt_length
+                held, usable, prompt_length = slot.tokens, slot.cached, slot.prompt_length
             if usable == 0 or held[0] != tokens[0]:
                 continue
-            n = self._reusable(min(common_prefix(held, tokens), usable, limit), prompt_length,
-                               len(tokens))
+            common = common_prefix(held, tokens)
+            continues_reply |= not slot.live and common > prompt_length
+            n = self._reusable(min(common, usable, limit), prompt_length, len(tokens))
             # Ties go to an idle slot, which can be taken over without a copy.
             if n > best_len or (n == best_len and n and best.live and not slot.live):
                 best, best_len = slot, n
-        return best, best_len
+        return best, best_len, continues_reply
 
     def _reusable(self, n: int, held_prompt: int, new_length: int) -> int:
         """How much of a common prefix of `n` tokens to reuse, so that every reused cell is the
@@ -135,24 +181,27 @@ class PrefixCache:
     def place(self, tokens: list[int], limit: int, live_prefix) -> Placement | None:
         """Choose a slot for a sequence of `tokens` that may reuse at most `limit` of them.
         None when every slot is live."""
-        src, length = self.best_match(tokens, limit, live_prefix)
         idle = self.idle_slots()
         if not idle:
             return None
-        if src is not None and not src.live and length >= self.REUSE_IN_PLACE * src.length:
-            return Placement(src, src, length)
+        src, length, continues = self._match(tokens, limit, live_prefix)
+        if src is not None and not src.live and length >= self.REUSE_IN_PLACE * src.cached:
+            return Placement(src, src, length, continues)
         # An empty slot first, else the least recently used one (never the source itself).
         dst = min((s for s in idle if s is not src),
-                  key=lambda s: (s.length > 0, s.last_used), default=None)
+                  key=lambda s: (s.cached > 0, s.last_used), default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
-            return Placement(src, src, length)
-        return Placement(dst, src, length)
+            return Placement(src, src, length, continues)
+        return Placement(dst, src, length, continues)
 
     # ---- changes ----
 
-    def start(self, placement: Placement) -> list[KvOp]:
-        """A sequence starts in `placement.dst`; returns the KV operation that sets it up."""
+    def start(self, placement: Placement, resumed: bool = False) -> list[KvOp]:
+        """A sequence starts in `placement.dst` (`resumed`: again, after a preemption); returns
+        the KV operation that sets it up."""
         dst, src, length = placement.dst, placement.src, placement.length
+        if not resumed:  # a resumed sequence continues its own output, not a finished reply
+            self.retention.admitted(placement.continues_reply)
         if src is None or length == 0:
             op = KvOp("clear", dst.id)
             dst.runs = []
@@ -181,19 +230,24 @@ class PrefixCache:
         self.cells_used += n
 
     def finish(self, slot: Slot, computed_tokens: list[int], keep: bool = True,
-               prompt_length: int = 0) -> list[KvOp]:
-        """The slot's sequence ended having computed `computed_tokens`: they stay cached (cells
-        a decode wrote past them, for a sequence aborted meanwhile, are dropped), or are cleared
+               prompt_length: int | None = None, preempted: bool = False) -> list[KvOp]:
+        """The slot's sequence ended (or was `preempted`) having computed `computed_tokens`, the
+        first `prompt_length` of them its prompt (default: all). They stay cached — the reply
+        only if the retention rule keeps replies or the sequence will resume from it; cells a
+        decode wrote past them, for a sequence aborted meanwhile, are dropped — or are cleared
         at once when the cache is off or `keep` is false."""
         slot.live = False
         slot.last_used = next(self._clock)
         slot.tokens = computed_tokens
-        slot.prompt_length = min(prompt_length, len(computed_tokens))
+        slot.prompt_length = min(len(computed_tokens) if prompt_length is None else prompt_length,
+                                 len(computed_tokens))
         if not (self.enabled and keep):
             return self.evict(slot)
-        slot.runs = _clip(slot.runs, len(computed_tokens))
+        cached = (len(computed_tokens) if preempted or self.retention.keeps_replies
+                  else slot.prompt_length)
+        slot.runs = _clip(slot.runs, cached)
         self._recount()
-        return [KvOp("share", slot.id, slot.id, len(computed_tokens))]
+        return [KvOp("share", slot.id, slot.id, cached)]
 
     def evict(self, slot: Slot) -> list[KvOp]:
         """Forget what an idle slot holds."""

@@ -70,7 +70,7 @@ class Scheduler:
     def __init__(self, *, max_seqs: int, token_budget: int, kv_capacity: int, max_queue: int,
                  max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset(),
                  n_slots: int | None = None, shared_kv: bool = True,
-                 prefix_cache: bool = True, prefill_block: int = 1,
+                 prefix_cache: bool = True, cache_replies: str = "auto", prefill_block: int = 1,
                  prefill_stagger: int | None = None, first_tokens_apart: bool = False) -> None:
         self.max_seqs = max_seqs
         self.first_tokens_apart = first_tokens_apart
@@ -82,7 +82,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.eog_tokens = eog_tokens
         self.cache = PrefixCache(n_slots or max_seqs, shared_cells=shared_kv,
-                                 enabled=prefix_cache, block=prefill_block)
+                                 enabled=prefix_cache, block=prefill_block, replies=cache_replies)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
@@ -244,7 +244,7 @@ class Scheduler:
         # either, once it ends.
         keep = seq.cache_prompt or not ending
         self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens), keep,
-                                          seq.num_prompt_tokens)
+                                          seq.num_prompt_tokens, preempted=not ending)
         self._released.append((seq.seq_id, seq))
         seq.seq_id = None
 
@@ -349,7 +349,7 @@ class Scheduler:
         placement = self.cache.place(tokens, limit, self._live_prefix)
         if placement is None or not self._room_to_start(seq, placement):
             return False
-        self._kv_ops += self.cache.start(placement)
+        self._kv_ops += self.cache.start(placement, resumed=seq.first_scheduled_time is not None)
         seq.seq_id = placement.dst.id
         self._slot_seq[seq.seq_id] = seq
         seq.num_computed_tokens = placement.length

@@ -47,6 +47,10 @@ OPTIONS = {
                          "sizes, off on a CPU)"),
     "prefix_cache": (_flag, _ENGINE.prefix_cache,
                      "start requests from cached KV of the prompt prefixes they share"),
+    "cache_replies": (str, _ENGINE.cache_replies,
+                      "whether finished requests' replies stay cached in one KV pool, where every "
+                      "step attends over them: auto (while recent requests continue earlier "
+                      "replies, as chats do), keep or drop"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
     "ubatch_size": (int, _ENGINE.n_ubatch, "tokens per llama.cpp micro-batch"),
     "prefill_stagger": (int, _ENGINE.prefill_stagger,
@@ -140,7 +144,8 @@ def build_config(options: dict) -> ServerConfig:
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
         prefill_stagger=options["prefill_stagger"], n_threads=options["threads"], cpu_wait=options["cpu_wait"],
         kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
-        prefix_cache=options["prefix_cache"], n_gpu_layers=options["n_gpu_layers"],
+        prefix_cache=options["prefix_cache"], cache_replies=options["cache_replies"],
+        n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"],
         request_timeout=options["request_timeout"])

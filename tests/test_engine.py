@@ -349,6 +349,35 @@ def test_a_shared_prefix_is_computed_once(model_path):
         eng.shutdown()
 
 
+def test_in_one_pool_only_replies_that_come_back_stay_cached(model_path):
+    """One-shot requests leave only their prompts' cells in one pool (llama.cpp agrees); once a
+    quarter of the requests continue earlier replies, as a chat's turns do, replies stay."""
+    eng = Engine(EngineConfig(n_ctx=4096, n_parallel=4, n_threads=2, kv_unified=True),
+                 model_path)
+    try:
+        prompts = [eng.model.tokenize(p) for p in PROMPTS[:5]]
+        computed = 0  # prompt cells computed (a prompt may share the start of an earlier one)
+        for prompt in prompts:
+            _, _, final = asyncio.run(run_tokens(eng, prompt, max_tokens=20, temperature=0,
+                                                 ignore_eos=True))
+            computed += len(prompt) - final.cached_tokens
+        assert eng.cached_cells == computed
+        assert_idle(eng)
+        history, turns, cached = prompts[0], [], []
+        for _ in range(4):  # turns 2 and 3 make two continuations in eight admissions
+            turns.append(history + [9] * 20)  # a 20-token question (its text is not the point)
+            _, ids, final = asyncio.run(run_tokens(eng, turns[-1], max_tokens=20, temperature=0,
+                                                   ignore_eos=True))
+            cached.append(final.cached_tokens)
+            history = turns[-1] + ids
+        # Turns 2 and 3 find only the last turn's prompt (replies were dropped); turn 3 keeps
+        # its reply, and turn 4 starts from all of turn 3 but the last, undecoded token.
+        assert cached[1:] == [len(turns[0]), len(turns[1]), len(turns[2]) + 19]
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_a_long_prompt_evicts_cached_prefixes_and_nothing_live_is_lost(model_path):
     small = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_batch=256, n_threads=2,
                                 kv_unified=True), model_path)

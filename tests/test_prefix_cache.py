@@ -3,20 +3,22 @@ import random
 
 import pytest
 
-from cllm.prefix_cache import KvOp, PrefixCache, common_prefix
+from cllm.prefix_cache import KvOp, PrefixCache, ReplyRetention, common_prefix
 
 
 def no_live(slot):
     raise AssertionError("no slot is live in this test")
 
 
-def run_sequence(cache, tokens, limit=None, computed=None):
-    """Place a sequence, compute the rest of `tokens` and finish it; returns its placement."""
+def run_sequence(cache, tokens, limit=None, computed=None, reply=()):
+    """Place a sequence of prompt `tokens`, compute the rest of them and the `reply`, and finish
+    it; returns its placement."""
     placement = cache.place(tokens, len(tokens) - 1 if limit is None else limit, no_live)
     cache.start(placement)
     end = len(tokens) if computed is None else computed
-    cache.extend(placement.dst, placement.length, end - placement.length)
-    cache.finish(placement.dst, tokens[:end])
+    computed_tokens = tokens[:end] + list(reply)
+    cache.extend(placement.dst, placement.length, len(computed_tokens) - placement.length)
+    cache.finish(placement.dst, computed_tokens, prompt_length=end)
     return placement
 
 
@@ -124,7 +126,8 @@ def test_counts_stay_exact_under_churn():
         held = {(run.group, pos) for slot in cache.slots for run in slot.runs
                 for pos in range(run.start, run.end)}
         assert cache.cells_used == len(held)
-        assert all(slot.length == sum(r.end - r.start for r in slot.runs) for slot in cache.slots)
+        assert all(slot.cached == sum(r.end - r.start for r in slot.runs) <= len(slot.tokens)
+                   for slot in cache.slots)
 
 
 def test_with_blocks_a_prefix_ends_on_a_block_or_in_both_prompts_last_partial_block():
@@ -140,3 +143,72 @@ def test_with_blocks_a_prefix_ends_on_a_block_or_in_both_prompts_last_partial_bl
     longer = doc + [2] * 160  # 300 tokens: 128..140 would be part of a whole block of it
     assert cache.best_match(longer, 299, no_live) == (slot, 128)
     assert cache.best_match(doc[:100] + [3] * 50, 149, no_live) == (slot, 64)
+
+
+def one_shot(cache, n, reply_token=7):
+    """`n` requests with prompts of their own, each with a 50-token reply."""
+    for i in range(n):
+        run_sequence(cache, [1000 + i] * 20, reply=[reply_token] * 50)
+
+
+def test_in_one_pool_one_shot_requests_leave_only_their_prompts_cells():
+    cache = PrefixCache(8, shared_cells=True)
+    one_shot(cache, 4)
+    # Each holds its 20 prompt cells and remembers its reply's tokens.
+    assert cache.cells_used == 4 * 20
+    assert [(s.cached, len(s.tokens)) for s in cache.slots if s.tokens] == [(20, 70)] * 4
+
+
+def test_replies_that_come_back_are_noticed_though_dropped_and_kept_again():
+    cache = PrefixCache(8, shared_cells=True)
+    one_shot(cache, 6)
+    turn_1 = next(s for s in cache.slots if s.tokens).tokens
+    # A chat's next turn (the whole first one, and more) finds only the prompt's cells ...
+    turn_2 = turn_1 + [5] * 10
+    assert run_sequence(cache, turn_2, reply=[6] * 50).length == 20
+    # ... but counts: two continuations in eight admissions (a quarter) keep replies again,
+    # and the turn after the next one starts from the whole of it.
+    turn_3 = turn_2 + [6] * 50 + [4] * 10
+    run_sequence(cache, turn_3, reply=[3] * 5)
+    turn_4 = turn_3 + [3] * 5 + [2] * 10
+    assert run_sequence(cache, turn_4).length == len(turn_3) + 5
+
+
+def test_split_streams_keep_replies_whatever_comes_back():
+    cache = PrefixCache(8, shared_cells=False)
+    one_shot(cache, 6)
+    assert all(s.cached == len(s.tokens) for s in cache.slots)
+
+
+def test_a_preempted_sequence_keeps_its_output_to_resume_from_while_replies_are_dropped():
+    cache = PrefixCache(4, shared_cells=True, replies="drop")
+    placement = cache.place([1] * 20, 19, no_live)
+    cache.start(placement)
+    cache.extend(placement.dst, 0, 30)
+    cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, preempted=True)
+    assert placement.dst.cached == 30
+    resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
+    cache.start(resumed, resumed=True)
+    assert resumed.length == 29 and not resumed.continues_reply is False
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+def test_a_fixed_mode_decides_whatever_comes_back(mode):
+    cache = PrefixCache(8, shared_cells=True, replies=mode)
+    one_shot(cache, 4)  # none continues a reply: auto would drop them
+    for _ in range(8):  # each continues the last: auto would keep them
+        last = max(cache.slots, key=lambda s: s.last_used)
+        run_sequence(cache, last.tokens + [5], reply=[7] * 50)
+    held = [s for s in cache.slots if s.tokens]
+    assert len(held) == 4 and all(
+        s.cached == (len(s.tokens) if mode == "keep" else s.prompt_length) for s in held)
+
+
+@pytest.mark.parametrize("admissions, keeps", [
+    ("", True), ("-", False), ("---c", True), ("----c", False),
+    ("c" * 8 + "-" * 24, True), ("c" * 8 + "-" * 25, False)])  # the window holds the last 32
+def test_auto_keeps_replies_while_a_quarter_of_recent_admissions_continue_one(admissions, keeps):
+    retention = ReplyRetention("auto")
+    for admission in admissions:
+        retention.admitted(admission == "c")
+    assert retention.keeps_replies is keeps
