@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -18,9 +17,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cllm.api import APIError
 from cllm.config import EngineConfig, ServerConfig, apply_cpu_wait
 from cllm.models import resolve_model
 
@@ -257,48 +255,30 @@ class _Server(uvicorn.Server):
                 await stopping[0]
 
 
-MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers
+MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's default, made explicit)
 KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle connection stays open between requests
 
 
-def header_deadline_protocol(timeout: float) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol (HTTP/1.1 parsed in C: at thousands of streamed events a
-    second, uvicorn's pure-Python h11 protocol took 44% of the event loop; ARCHITECTURE.md,
-    "The HTTP path") with a deadline and a size bound for each request's headers. uvicorn times
-    out only idle keep-alive connections, and any byte received stops that clock: a client that
-    stalls mid-headers (slowloris) would hold its connection, and a file descriptor, forever;
-    httptools bounds no header's size."""
+def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's headers. uvicorn times out only
+    idle keep-alive connections, and any byte received stops that clock: a client that stalls
+    mid-headers (slowloris) would hold its connection, and a file descriptor, forever."""
 
-    class HeaderDeadlineProtocol(HttpToolsProtocol):
+    class HeaderDeadlineProtocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
-        _header_bytes: int | None = 0  # received since a request's headers began; None: they ended
-        _tail = b""  # the last bytes of them, where a CRLFCRLF split between reads begins
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
-        def data_received(self, data: bytes) -> None:
-            # Checked before parsing: once parsed, the request would already run.
-            if self._header_bytes is not None and self._headers_outgrow_limit(data):
-                self._refuse_headers()
-                return
-            super().data_received(data)
-
-        def on_headers_complete(self) -> None:
-            self._deadline.cancel()  # a request runs (or waits behind a pipelined one)
-            self._header_bytes = None
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._header_bytes, self._tail = 0, b""  # what comes next is the next request's
-
         def on_response_complete(self) -> None:
-            next_is_parsed = bool(self.pipeline)
-            super().on_response_complete()  # may start a pipelined request
-            if not (next_is_parsed or self.transport.is_closing()):
-                self._arm()  # for the next request's headers on this connection
+            self._arm()  # for the next request's headers on this connection
+            super().on_response_complete()  # may start a pipelined request: handle_events
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:  # a request runs
+                self._deadline.cancel()
 
         def connection_lost(self, exc) -> None:
             self._deadline.cancel()
@@ -308,23 +288,6 @@ def header_deadline_protocol(timeout: float) -> type[HttpToolsProtocol]:
             if self._deadline is not None:
                 self._deadline.cancel()
             self._deadline = self.loop.call_later(timeout, self.transport.close)
-
-        def _headers_outgrow_limit(self, data: bytes) -> bool:
-            """Count `data` into the headers being received, up to their end if it is there
-            (a body may follow in the same read)."""
-            seen = self._tail + data
-            end = seen.find(b"\r\n\r\n")
-            self._header_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
-            self._tail = seen[-3:]
-            return self._header_bytes > MAX_HEADER_BYTES
-
-        def _refuse_headers(self) -> None:
-            body = json.dumps(APIError(431, f"request line and headers over {MAX_HEADER_BYTES} "
-                                            "bytes", code="headers_too_large").body()).encode()
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                                 b"content-type: application/json\r\nconnection: close\r\n"
-                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
-            self.transport.close()
 
     return HeaderDeadlineProtocol
 
@@ -356,6 +319,7 @@ def serve(config: ServerConfig, model_path: Path) -> int:
         app, host=config.host, port=config.port, access_log=False, log_config=None,
         http=header_deadline_protocol(config.client_timeout),
         limit_concurrency=config.max_connections, timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_graceful_shutdown=config.shutdown_grace + 10), grace=config.shutdown_grace)
     server.run()
     return 1 if load_failures else 0
