@@ -90,8 +90,9 @@ class ReplyRetention:
     def keeps_replies(self) -> bool:
         if self.mode != "auto":
             return self.mode == "keep"
-        # Until an admission says otherwise, replies stay: a chat's second turn needs the first.
-        return not self._recent or sum(self._recent) >= self.SHARE * len(self._recent)
+        # A request's own admission counts before it finishes, so on a fresh server a chat's
+        # first reply is dropped; its second turn then computes that reply again, once.
+        return sum(self._recent) >= self.SHARE * len(self._recent)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
