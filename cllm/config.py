@@ -80,9 +80,9 @@ class EngineConfig:
     # True: one pool of cells for all sequences, preempting when it runs out; every row attends
     # over the pool's occupied span. False: a stream of n_ctx / n_parallel cells per sequence,
     # which attends over its own cells only: on the CPU that is faster with long prompts and a
-    # greedy output does not depend on its batch, but llama.cpp decodes sequences of different
-    # lengths ~8x slower that way on a GPU (H200). None: split on a CPU, one pool on a GPU
-    # (ARCHITECTURE.md has the measurements).
+    # greedy output does not depend on its batch; on a GPU (H200) it is faster for some
+    # workloads and slower for chats, and it caps each sequence at n_ctx / n_parallel. None:
+    # split on a CPU, one pool on a GPU (ARCHITECTURE.md has the measurements).
     kv_unified: bool | None = None
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
     # Whether finished sequences' replies stay cached in one pool (split streams keep them):
