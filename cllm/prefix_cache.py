@@ -213,6 +213,7 @@ class PrefixCache:
             op = KvOp("share", dst.id, src.id, length)
             dst.runs = (_clip(src.runs, length) if self.shared_cells
                         else [self._new_run(0, length)])
+            src.last_used = next(self._clock)  # a prefix others start from is in use
         dst.tokens = []  # a live slot's tokens are its sequence's
         dst.live = True
         dst.own_group = None

@@ -85,6 +85,17 @@ def test_reuse_in_place_trims_and_the_evicted_lru_goes_first():
     assert cache.eviction_order() == slots[1:]  # a live slot is never evicted
 
 
+def test_a_prefix_shared_into_another_slot_counts_as_used_for_eviction():
+    cache = PrefixCache(4, shared_cells=True)
+    cache.REUSE_IN_PLACE = 1.0  # every request takes a slot of its own
+    doc, other = list(range(100, 200)), [7] * 40
+    source = run_sequence(cache, doc + [1]).dst
+    older_than_use = run_sequence(cache, other).dst
+    asker = run_sequence(cache, doc + [2])
+    assert asker.src is source
+    assert cache.eviction_order() == [older_than_use, source, asker.dst]
+
+
 def test_no_idle_slot_means_no_placement():
     cache = PrefixCache(1, shared_cells=True)
     cache.start(cache.place([1, 2, 3], 2, no_live))
