@@ -73,10 +73,10 @@ class PrefixRouter(RequestRouter):
     a hash ring with bounded loads (routing.HashRing, passing over replicas with no free slot
     while another has one, and queueing where the fewest wait when all are full), and to the
     least loaded if that one refuses (at max_ongoing_requests); one without a key goes to the
-    least loaded. Loads are Ray's
-    queue-length cache: each replica's own in-flight count as it reported it when it last
-    accepted one of this router's requests (or a probe), plus this router's sends since, minus
-    its completions; other fronts' requests show at the next report."""
+    least loaded. Loads are Ray's queue-length cache: each replica's own in-flight count as it
+    reported it when it last accepted one of this router's requests (or a probe), plus this
+    router's sends since, minus its completions; other fronts' requests show at the next
+    report."""
 
     def initialize_state(self, load_factor: float = routing.LOAD_FACTOR,
                          capacity: int | None = None) -> None:
