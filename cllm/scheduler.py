@@ -349,12 +349,13 @@ class Scheduler:
         placement = self.cache.place(tokens, limit, self._live_prefix)
         if placement is None or not self._room_to_start(seq, placement):
             return False
-        self._kv_ops += self.cache.start(placement, resumed=seq.first_scheduled_time is not None)
+        first_start = seq.first_scheduled_time is None  # not resuming after a preemption
+        self._kv_ops += self.cache.start(placement, resumed=not first_start)
         seq.seq_id = placement.dst.id
         self._slot_seq[seq.seq_id] = seq
         seq.num_computed_tokens = placement.length
         seq.status = SequenceStatus.RUNNING
-        if seq.first_scheduled_time is None:
+        if first_start:
             seq.first_scheduled_time = now
             seq.num_cached_tokens = placement.length
         self.running.append(seq)

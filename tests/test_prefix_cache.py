@@ -191,16 +191,17 @@ def test_split_streams_keep_replies_whatever_comes_back():
     assert all(s.cached == len(s.tokens) for s in cache.slots)
 
 
-def test_a_preempted_sequence_keeps_its_output_to_resume_from_while_replies_are_dropped():
-    cache = PrefixCache(4, shared_cells=True, replies="drop")
+def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_back():
+    cache = PrefixCache(4, shared_cells=True)
     placement = cache.place([1] * 20, 19, no_live)
-    cache.start(placement)
+    cache.start(placement)  # an admission that continues nothing: auto drops replies
     cache.extend(placement.dst, 0, 30)
     cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, preempted=True)
-    assert placement.dst.cached == 30
+    assert not cache.retention.keeps_replies and placement.dst.cached == 30
     resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
+    assert resumed.length == 29 and resumed.continues_reply  # it runs into its own output ...
     cache.start(resumed, resumed=True)
-    assert resumed.length == 29 and not resumed.continues_reply is False
+    assert not cache.retention.keeps_replies  # ... which does not count as a reply reused
 
 
 @pytest.mark.parametrize("mode", ["keep", "drop"])
