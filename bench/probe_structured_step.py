@@ -1,15 +1,17 @@
 """What constrained decoding costs inside the engine's steps, free of HTTP and of other load.
 
 Runs the structured workload's tickets (cllm.bench.prompts) through an Engine at 1, 8 and 32
-concurrent sequences, greedy, free (ignore_eos) and then constrained by TICKET_SCHEMA, and
-reports output tokens/s, the time of the steps (decode + sampling in the core, masks applied)
-and, for the constrained runs, the time spent filling masks (with the GPU engine's overlap:
-handing them to their thread) and advancing matchers. The shares are measured within the same
-steps, so a busy machine slows both sides alike. `--in-turn` also runs the masks filled in turn
-before each step (the CPU engine's way) for comparison.
+concurrent sequences, greedy, constrained by TICKET_SCHEMA and then free (ignore_eos) with each
+request's reply as long as its constrained one, and reports output tokens/s, the time of the
+steps (decode + sampling in the core, masks applied) and, for the constrained runs, the time
+spent filling masks (with the GPU engine's overlap: handing them to their thread) and advancing
+matchers. The shares are measured within the same steps, so a busy machine slows both sides
+alike. Decode runs (a GPU engine's; `--decode-steps` elsewhere) are timed by the core
+(`Context.run_timing`): llama_decode, after_step, sampling, per step. `--in-turn` also runs
+the masks filled in turn before each step (the CPU engine's way).
 
     python bench/probe_structured_step.py [--model PATH] [--threads 2] [--levels 1 8 64]
-        [--in-turn]"""
+        [--in-turn] [--kv-unified] [--decode-steps 8] [--n-gpu-layers N]"""
 from __future__ import annotations
 
 import argparse
@@ -32,19 +34,19 @@ class Timed:
     def __init__(self, fn) -> None:
         self.fn, self.seconds, self.calls = fn, 0.0, 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return self.fn(*args)
+            return self.fn(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
             self.calls += 1
 
 
-async def _one(engine: Engine, text: str, grammar) -> int:
+async def _one(engine: Engine, text: str, grammar, max_tokens: int) -> int:
     prompt = engine.model.tokenize(f"<|im_start|>user\n{ticket(text)}<|im_end|>\n"
                                    "<|im_start|>assistant\n")
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, grammar=grammar,
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, grammar=grammar,
                               ignore_eos=grammar is None)
     count = 0
     async for delta in engine.submit(prompt, sampling):
@@ -62,7 +64,8 @@ class TimedContext:
         return getattr(self.ctx, name)
 
 
-def measure(engine: Engine, level: int, grammar) -> dict:
+def measure(engine: Engine, level: int, grammar, lengths: list[int]) -> dict:
+    engine.ctx.run_timing()  # from here on
     engine.ctx = TimedContext(engine.ctx)
     step, fill = engine.ctx.step, Timed(engine._masks.fill)
     advance = Timed(engine._advance_matchers)
@@ -71,15 +74,20 @@ def measure(engine: Engine, level: int, grammar) -> dict:
     start = time.perf_counter()
 
     async def run() -> list[int]:
-        return await asyncio.gather(*(_one(engine, t, grammar) for t in texts))
+        return await asyncio.gather(*(_one(engine, t, grammar, n)
+                                      for t, n in zip(texts, lengths)))
 
-    tokens = sum(asyncio.run(run()))
+    counts = asyncio.run(run())
     wall = time.perf_counter() - start
     engine.ctx, engine._masks.fill, engine._advance_matchers = engine.ctx.ctx, fill.fn, advance.fn
-    return {"tokens": tokens, "wall_s": wall, "steps": step.calls,
-            "step_ms": 1000 * step.seconds / max(1, step.calls),
-            "masks_ms": 1000 * fill.seconds / max(1, step.calls),
-            "matchers_ms": 1000 * advance.seconds / max(1, step.calls)}
+    run = engine.ctx.run_timing()
+    # a step is a Context.step call or one step of a decode run (whose masks fill in after_step)
+    steps = max(1, step.calls + run["steps"])
+    run_seconds = run["steps"] * (run["decode_ms"] + run["after_step_ms"] + run["sample_ms"]) / 1000
+    return {"counts": counts, "tokens": sum(counts), "wall_s": wall, "steps": steps, "run": run,
+            "step_ms": 1000 * (step.seconds + run_seconds) / steps,
+            "masks_ms": 1000 * fill.seconds / steps,
+            "matchers_ms": 1000 * advance.seconds / steps}
 
 
 def main() -> None:
@@ -91,28 +99,39 @@ def main() -> None:
                         help="the KV layout (default: split streams, as on a CPU)")
     parser.add_argument("--in-turn", action="store_true",
                         help="also run with the masks filled in turn on the engine thread")
+    parser.add_argument("--decode-steps", type=int, default=0)
+    parser.add_argument("--n-gpu-layers", type=int, default=-1)
     args = parser.parse_args()
     path = args.model or str(resolve_model("smollm2-135m-instruct"))
-    print("level  mode                tokens  tok/s  steps  step ms  masks ms  matchers ms  share")
+    print("level  mode                tokens  tok/s  steps  step ms  masks ms  matchers ms  share"
+          "  | runs: steps  decode ms  after_step ms  sample ms")
     for level in args.levels:
         engine = Engine(EngineConfig(n_ctx=level * 512, n_parallel=level, n_threads=args.threads,
-                                     kv_unified=args.kv_unified), path)
+                                     kv_unified=args.kv_unified, decode_steps=args.decode_steps,
+                                     n_gpu_layers=args.n_gpu_layers), path)
         try:
             grammar = engine.grammars.json_schema(TICKET_SCHEMA)
-            measure(engine, level, grammar)  # warm-up: the lexer's first states are built lazily
-            modes = [("free", None), ("constrained", grammar)]
+            # warm-up (the lexer's first states are built lazily), and the replies' lengths
+            lengths = measure(engine, level, grammar, [MAX_TOKENS] * level)["counts"]
+            modes = [("constrained", grammar), ("free, same lengths", None)]
             if args.in_turn:
                 modes.append(("constrained in turn", grammar))
             for mode, g in modes:
                 if mode.endswith("in turn"):
                     engine._masks = MaskFiller(engine.ctx.mask_words)
-                r = measure(engine, level, g)
-                share = (r["masks_ms"] + r["matchers_ms"]) / r["step_ms"] if r["step_ms"] else 0
-                print(f"{level:5d}  {mode:19s}  {r['tokens']:6d}  {r['tokens'] / r['wall_s']:5.0f}  "
-                      f"{r['steps']:5d}  {r['step_ms']:7.1f}  {r['masks_ms']:8.2f}  "
-                      f"{r['matchers_ms']:11.2f}  {share:5.1%}", flush=True)
+                report(level, mode, measure(engine, level, g, lengths))
         finally:
             engine.shutdown()
+
+
+def report(level: int, mode: str, r: dict) -> None:
+    share = (r["masks_ms"] + r["matchers_ms"]) / r["step_ms"] if r["step_ms"] else 0
+    run = r["run"]
+    print(f"{level:5d}  {mode:19s}  {r['tokens']:6d}  {r['tokens'] / r['wall_s']:5.0f}  "
+          f"{r['steps']:5d}  {r['step_ms']:7.1f}  {r['masks_ms']:8.2f}  "
+          f"{r['matchers_ms']:11.2f}  {share:5.1%}  | {run['steps']:10d}  "
+          f"{run['decode_ms']:9.2f}  {run['after_step_ms']:13.2f}  {run['sample_ms']:9.2f}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,20 @@ cdef extern from *:
     """
     int cllm_load_acquire(const volatile int * flag) nogil
 
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    cdef struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clock_id, timespec * ts)
+    int CLOCK_MONOTONIC
+
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
 
 class ModelLoadError(RuntimeError):
     """A model file could not be loaded; the message names the path and the reason."""
@@ -302,6 +316,10 @@ cdef class Context:
     cdef object _after_step
     cdef carray.array _going_on
     cdef object _after_step_error
+    # Seconds decode runs spent in llama_decode, in after_step (the GIL included) and sampling,
+    # and their steps; read by run_timing().
+    cdef double _t_decode, _t_after_step, _t_sample
+    cdef long _t_steps
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
                   int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True,
@@ -698,6 +716,18 @@ cdef class Context:
             raise DecodeError(rc, "invalid batch" if rc == -1 else "decode failed")
         return tokens, counts
 
+    def run_timing(self):
+        """Mean milliseconds per step of the decode runs since the last call: in llama_decode
+        (on a GPU: building and launching the step), in after_step (the GIL included), and
+        sampling (on a GPU: waiting for the step first), and how many steps."""
+        steps = max(1, self._t_steps)
+        timing = {"steps": self._t_steps, "decode_ms": 1000 * self._t_decode / steps,
+                  "after_step_ms": 1000 * self._t_after_step / steps,
+                  "sample_ms": 1000 * self._t_sample / steps}
+        self._t_decode = self._t_after_step = self._t_sample = 0
+        self._t_steps = 0
+        return timing
+
     def interrupt(self):
         """Make a running decode_run return after its current step (thread-safe). The flag
         stays set until `clear_interrupt()`, so a run that starts after it returns at once."""
@@ -722,6 +752,7 @@ cdef class Context:
         cdef int * rows = <int *> malloc(n_rows * sizeof(int))  # batch index → row
         cdef int * sampled = <int *> calloc(n_rows, sizeof(int))  # 1 + the row's last step
         cdef unsigned char * ended = <unsigned char *> calloc(n_rows, 1)  # by after_step
+        cdef double t0
         if rows is NULL or sampled is NULL or ended is NULL:
             free(rows)
             free(sampled)
@@ -742,16 +773,20 @@ cdef class Context:
             if n == 0 or (step > 0 and self._interrupted):
                 break
             self.batch.n_tokens = <int32_t> n
+            t0 = _now()
             rc = llama_decode(self.ctx, self.batch)
+            self._t_decode += _now() - t0
             if rc != 0:
                 self._forget_step(n, rows, seq_ids, positions, counts)
                 break
             if unheard:
+                t0 = _now()
                 if not self._end_constrained_rows(unheard, sampled, tokens, counts, budgets,
                                                   n_steps, ended, True):
                     unheard = 0
                     self._forget_step(n, rows, seq_ids, positions, counts)
                     break
+                self._t_after_step += _now() - t0
                 unheard = 0
             for i in range(n):
                 r = rows[i]
@@ -760,7 +795,10 @@ cdef class Context:
                 self.out_mask[i] = NULL
                 if masks != NULL and row_masks[r] >= 0:
                     self.out_mask[i] = masks + <size_t> row_masks[r] * self.mask_words
+            t0 = _now()
             self._sample_outputs(<int> n, self.out_tokens)
+            self._t_sample += _now() - t0
+            self._t_steps += 1
             for i in range(n):
                 r = rows[i]
                 if ended[r]:  # fed to this step before after_step ended it

@@ -267,6 +267,19 @@ def test_a_decode_run_advances_constrained_rows_between_its_steps(ctx, model):
     assert [more for _, more in seen] == [True] * 7 + [False]
 
 
+def test_run_timing_counts_the_steps_of_decode_runs_since_it_was_last_read(ctx, model):
+    tokens = model.tokenize(PROMPTS[0])
+    ctx.set_sampler(4, ban_eog=True)
+    first = ctx.step(ints([4]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+    ctx.run_timing()
+    ctx.decode_run(ints([4]), ints([len(tokens)]), first, ints([5]), 8)
+    timing = ctx.run_timing()
+    ctx.remove_sequence(4)
+    assert timing["steps"] == 5  # its budget ended the run
+    assert timing["decode_ms"] > 0 and timing["sample_ms"] > 0 and timing["after_step_ms"] == 0
+    assert ctx.run_timing()["steps"] == 0
+
+
 def test_what_after_step_raises_ends_the_run_and_is_raised(ctx, model):
     tokens = model.tokenize(PROMPTS[0])
     ctx.set_sampler(3, host_logits=True, ban_eog=True)
