@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cllm import _core, structured
-from cllm.config import EngineConfig, SamplingParams, usable_cores
+from cllm.config import EngineConfig, SamplingParams
 from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
 from cllm.batch import RunRows, StepRows
@@ -132,8 +132,7 @@ class Engine:
                                    first_tokens_apart=aligned)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
         # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on spare cores.
-        self._masks = structured.MaskFiller(
-            self.ctx.mask_words, threads=min(8, usable_cores() // 2) if gpu else 1, overlap=gpu)
+        self._masks = structured.MaskFiller(self.ctx.mask_words, overlap=gpu)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where runs of 8 lost 9-14% at 32 streams and

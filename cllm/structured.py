@@ -180,22 +180,17 @@ class Masks:
 
 
 class MaskFiller:
-    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each.
-
-    `threads` > 1: llguidance's LLExecutor spreads the rows over a pool, worth it only where
-    cores are spare (a GPU machine, where 64 rows in turn took about as long as the step):
-    where llama.cpp's threads take every core, waking the pool cost 150-800 us a row against
-    ~15 us in turn (the 2-core CPU; bench/structured_libs.py, ARCHITECTURE.md).
+    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each, in turn:
+    llguidance's own thread pool (LLExecutor) was slower, on the 2-core CPU (waking it cost
+    150-800 us a row against ~15 us in turn) and on a 16-core GPU host alike (64 rows: 1.7-2.6
+    ms at 2-14 threads against 1.5-1.9 in turn; ARCHITECTURE.md).
     `overlap`: the bitmasks are filled on a thread of their own while the step decodes, and the
     core waits for them before it samples: on a GPU the decode leaves the CPU idle."""
 
-    MIN_PARALLEL_ROWS = 4  # below this, one thread in turn is faster than waking the pool
-
-    def __init__(self, words: int, threads: int = 1, overlap: bool = False) -> None:
+    def __init__(self, words: int, overlap: bool = False) -> None:
         self.words = words
         self._buffer = array("i")
         self._ready = array("i", [1])  # one flag, so that a decode run's pointer to it holds
-        self._pool = llguidance.LLExecutor(threads) if threads > 1 else None
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="cllm-masks") if overlap
                         else None)
 
@@ -222,12 +217,9 @@ class MaskFiller:
               ready: array | None = None) -> None:
         try:
             address, nbytes = self._buffer.buffer_info()[0], 4 * self.words
-            rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
-            if self._pool is not None and len(rows) >= self.MIN_PARALLEL_ROWS:
-                self._pool.unsafe_compute_mask_ptr(rows, address, nbytes, len(matchers))
-                return
-            for matcher, i in rows:  # each call releases the GIL
-                matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
+            for i, matcher in enumerate(matchers):
+                if matcher is not None:  # each call releases the GIL
+                    matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
         finally:
             if ready is not None:
                 ready[0] = 1  # also after a failure: the core must never wait forever

@@ -143,12 +143,10 @@ def _matchers_midway(engine, n: int) -> list:
     return matchers
 
 
-@pytest.mark.parametrize("threads, overlap", [(2, False), (1, True), (2, True)])
-def test_masks_filled_in_parallel_or_while_decoding_equal_masks_filled_in_turn(
-        engine, threads, overlap):
+def test_masks_filled_while_decoding_equal_masks_filled_at_once(engine):
     words = engine.ctx.mask_words
     in_turn = MaskFiller(words)
-    other = MaskFiller(words, threads=threads, overlap=overlap)
+    other = MaskFiller(words, overlap=True)
     matchers = _matchers_midway(engine, 8)
     expected = bytes(in_turn.fill(matchers).data)
     assert len(set(expected[i * 4 * words:(i + 1) * 4 * words] for i in range(8))) > 1
@@ -171,7 +169,7 @@ def test_the_engine_overlapping_masks_with_the_decode_gives_the_same_outputs(mod
 
     overlapped = Engine(EngineConfig(n_ctx=16 * 512, n_parallel=16, n_threads=2,
                                      kv_unified=False), model_path)
-    overlapped._masks = MaskFiller(overlapped.ctx.mask_words, threads=2, overlap=True)
+    overlapped._masks = MaskFiller(overlapped.ctx.mask_words, overlap=True)
     try:
         got = asyncio.run(outputs(overlapped))
     finally:
@@ -320,7 +318,7 @@ def test_decode_runs_carry_constrained_rows_to_the_same_outputs(model_path, engi
     try:
         runs.ctx = log = RunLog(runs.ctx)
         if overlap:
-            runs._masks = MaskFiller(runs.ctx.mask_words, threads=2, overlap=True)
+            runs._masks = MaskFiller(runs.ctx.mask_words, overlap=True)
         results = asyncio.run(scenario(runs))
         assert_idle(runs)
     finally:
