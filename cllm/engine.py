@@ -131,7 +131,8 @@ class Engine:
                                    prefill_stagger=config.prefill_stagger or (None if gpu else 16),
                                    first_tokens_apart=aligned)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
-        # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on spare cores.
+        # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on a thread of
+        # their own.
         self._masks = structured.MaskFiller(self.ctx.mask_words, overlap=gpu)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's

@@ -182,8 +182,8 @@ class Masks:
 class MaskFiller:
     """Fills one step's bitmasks, one per constrained row, `words` uint32 words each, in turn:
     llguidance's own thread pool (LLExecutor) was slower, on the 2-core CPU (waking it cost
-    150-800 us a row against ~15 us in turn) and on a 16-core GPU host alike (64 rows: 1.7-2.6
-    ms at 2-14 threads against 1.5-1.9 in turn; ARCHITECTURE.md).
+    150-800 us a row against ~15 us in turn) and on a 16-core GPU host alike (64 rows: 1.6-3.0
+    ms on 2-14 threads against 1.5-1.9 in turn; ARCHITECTURE.md).
     `overlap`: the bitmasks are filled on a thread of their own while the step decodes, and the
     core waits for them before it samples: on a GPU the decode leaves the CPU idle."""
 
