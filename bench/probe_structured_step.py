@@ -8,7 +8,8 @@ spent filling masks (with the GPU engine's overlap: handing them to their thread
 matchers. The shares are measured within the same steps, so a busy machine slows both sides
 alike. Decode runs (a GPU engine's; `--decode-steps` elsewhere) are timed by the core
 (`Context.run_timing`): llama_decode, after_step, sampling, per step. `--in-turn` also runs
-the masks filled in turn before each step (the CPU engine's way).
+the masks filled on the engine thread before each step (the CPU engine's way) rather than on
+their own thread while it decodes.
 
     python bench/probe_structured_step.py [--model PATH] [--threads 2] [--levels 1 8 64]
         [--in-turn] [--kv-unified] [--decode-steps 8] [--n-gpu-layers N]"""
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
                         help="the KV layout (default: split streams, as on a CPU)")
     parser.add_argument("--in-turn", action="store_true",
-                        help="also run with the masks filled in turn on the engine thread")
+                        help="also run with the masks filled on the engine thread before each step")
     parser.add_argument("--decode-steps", type=int, default=0)
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     args = parser.parse_args()

@@ -145,10 +145,10 @@ def _matchers_midway(engine, n: int) -> list:
 
 def test_masks_filled_while_decoding_equal_masks_filled_at_once(engine):
     words = engine.ctx.mask_words
-    in_turn = MaskFiller(words)
+    at_once = MaskFiller(words)
     other = MaskFiller(words, overlap=True)
     matchers = _matchers_midway(engine, 8)
-    expected = bytes(in_turn.fill(matchers).data)
+    expected = bytes(at_once.fill(matchers).data)
     assert len(set(expected[i * 4 * words:(i + 1) * 4 * words] for i in range(8))) > 1
     masks = other.fill(matchers)
     masks.wait()
@@ -158,8 +158,9 @@ def test_masks_filled_while_decoding_equal_masks_filled_at_once(engine):
 
 
 def test_the_engine_overlapping_masks_with_the_decode_gives_the_same_outputs(model_path, engine):
-    """The GPU engine's way (bitmasks filled on spare cores while the step decodes), run here:
-    greedy constrained outputs equal the in-turn engine's, token for token."""
+    """The GPU engine's way (bitmasks filled on a thread of their own while the step decodes),
+    run here: greedy constrained outputs equal those of the engine that fills them before each
+    step, token for token."""
     async def outputs(eng):
         return await asyncio.gather(*(
             run_tokens(eng, eng.model.tokenize(chat_prompt(ask_for(item))),
@@ -295,7 +296,7 @@ class RunLog:
 
 
 @ON_GPU_NOT_BATCH_INVARIANT  # the texts these expect are the CPU's
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["before-the-step", "overlapped"])
 def test_decode_runs_carry_constrained_rows_to_the_same_outputs(model_path, engine, overlap):
     """With several decode steps per call into C, constrained rows run in them (their matchers
     advancing between steps, a finished grammar ending its row mid-run) and give, token for
