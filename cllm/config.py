@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
-from cllm.prefix_cache import ReplyRetention
+from cllm.prefix_cache import Retention
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -88,6 +88,9 @@ class EngineConfig:
     # Whether finished sequences' replies stay cached in one pool (split streams keep them):
     # "auto" while recent requests continue earlier replies (chats), "keep" or "drop".
     cache_replies: str = "auto"
+    # Whether their prompts stay cached in one pool: "auto" while recent requests start from
+    # idle prompts (documents, conversations), not only from running sequences'; "keep", "drop".
+    cache_prompts: str = "auto"
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
     # travel to the host. Needs one KV pool. None: on where a GPU runs the model with one pool
     # and n_ubatch = n_batch (on an H200 as fast or faster at 1, 8 and 64 streams), off on a
@@ -123,9 +126,10 @@ class EngineConfig:
         if self.cpu_wait not in CPU_WAIT_MODES:
             raise ValueError(f"cpu_wait must be one of {', '.join(CPU_WAIT_MODES)}, "
                              f"got {self.cpu_wait!r}")
-        if self.cache_replies not in ReplyRetention.MODES:
-            raise ValueError(f"cache_replies must be one of {', '.join(ReplyRetention.MODES)}, "
-                             f"got {self.cache_replies!r}")
+        for name in ("cache_replies", "cache_prompts"):
+            if getattr(self, name) not in Retention.MODES:
+                raise ValueError(f"{name} must be one of {', '.join(Retention.MODES)}, "
+                                 f"got {getattr(self, name)!r}")
 
 
 @dataclass(slots=True)

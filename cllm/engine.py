@@ -127,6 +127,7 @@ class Engine:
                                    n_slots=self.ctx.n_seq_max, shared_kv=self.kv_unified,
                                    prefix_cache=config.prefix_cache,
                                    cache_replies=config.cache_replies,
+                                   cache_prompts=config.cache_prompts,
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1,
                                    prefill_stagger=config.prefill_stagger or (None if gpu else 16),
                                    first_tokens_apart=aligned)

@@ -11,14 +11,14 @@ computation wrote, from its first position on; a slot holds, group by group, a p
 longest claim. With split KV streams, sharing copies the cells, so every slot has groups of its
 own. Pure Python: no llama.cpp here; the scheduler turns decisions into `KvOp`s for the engine.
 
-In one pool every row of a step attends over every cell held, so a finished sequence's reply
-costs every later step; `ReplyRetention` decides whether replies stay cached (ARCHITECTURE.md,
-"Which replies stay cached")."""
+In one pool every row of a step attends over every cell held, so whatever a finished sequence
+leaves cached costs every later step; two `Retention` rules decide whether its reply and its
+prompt stay cached (ARCHITECTURE.md, "What finished sequences leave cached")."""
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -60,38 +60,43 @@ class KvOp:
 @dataclass(slots=True, frozen=True)
 class Placement:
     """Where a new sequence goes: slot `dst`, starting from `src`'s first `length` tokens.
-    `continues_reply`: its prompt goes on past an idle slot's prompt into that slot's reply."""
+    `continues_reply`: its prompt goes on past an idle slot's prompt into that slot's reply.
+    `reuses_idle_prompt`: an idle slot's prompt (kept or not) gives it a longer prefix than any
+    running sequence's, by at least PrefixCache.IDLE_PROMPT_GAIN tokens."""
     dst: Slot
     src: Slot | None
     length: int
     continues_reply: bool = False
+    reuses_idle_prompt: bool = False
 
 
-class ReplyRetention:
-    """Whether finished sequences keep their replies' cells, or only their prompts', in one
-    pool. Kept replies are what a chat's next turn starts from, but every step attends over
-    them; one-shot requests never reuse them. `auto` keeps them while at least `SHARE` of the
-    last `WINDOW` admissions continued a finished sequence's reply (kept or dropped: a slot
-    remembers its reply's tokens either way, so the signal survives dropping); `keep` and `drop`
+class Retention:
+    """Whether finished sequences keep one kind of cells (their replies', or their prompts') in
+    one pool. Kept cells save a later request's prefill, but every step attends over them, and
+    requests that never come back to them (one-shot requests with distinct prompts) gain
+    nothing. `auto` keeps them while at least `SHARE` of the last `WINDOW` admissions would
+    have reused such cells (a slot remembers its tokens after dropping their cells, so the
+    signal survives dropping), and always before `min_admissions` were seen; `keep` and `drop`
     decide once for all."""
 
     MODES = ("auto", "keep", "drop")
     WINDOW = 32
     SHARE = 0.25
 
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: str = "auto", min_admissions: int = 1) -> None:
         self.mode = mode
+        self.min_admissions = min_admissions
         self._recent: deque[bool] = deque(maxlen=self.WINDOW)
 
-    def admitted(self, continues_reply: bool) -> None:
-        self._recent.append(continues_reply)
+    def admitted(self, reuses: bool) -> None:
+        self._recent.append(reuses)
 
     @property
-    def keeps_replies(self) -> bool:
+    def keeps(self) -> bool:
         if self.mode != "auto":
             return self.mode == "keep"
-        # A request's own admission counts before it finishes, so on a fresh server a chat's
-        # first reply is dropped; its second turn then computes that reply again, once.
+        if len(self._recent) < self.min_admissions:
+            return True
         return sum(self._recent) >= self.SHARE * len(self._recent)
 
 
@@ -118,14 +123,21 @@ class PrefixCache:
     # A slot's own prefix is reused in place when it covers at least this share of the slot;
     # below, the new sequence takes an empty or stale slot and the old content stays cached.
     REUSE_IN_PLACE = 0.5
+    # An idle prompt that gives fewer extra tokens than this over every running sequence's (a
+    # chat template's first lines) is no reason to keep idle prompts: computing them is cheap.
+    IDLE_PROMPT_GAIN = 32
 
     def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True,
-                 block: int = 1, replies: str = "auto") -> None:
+                 block: int = 1, replies: str = "auto", prompts: str = "auto") -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         self.shared_cells = shared_cells
         # Split streams: an idle stream is outside every other row's attention, so it costs
-        # nothing to keep; only one pool needs a rule.
-        self.retention = ReplyRetention(replies if shared_cells else "keep")
+        # nothing to keep; only one pool needs rules. Prompts are dropped only on the evidence
+        # of a whole window (a fresh server keeps them, as llama-server's slots do); a chat's
+        # next turn needs its prompt as well as its reply, so kept replies keep their prompts.
+        self.replies = Retention(replies if shared_cells else "keep")
+        self.prompts = Retention(prompts if shared_cells else "keep",
+                                 min_admissions=Retention.WINDOW)
         self.block = block
         self.enabled = enabled
         self.cells_used = 0
@@ -146,29 +158,36 @@ class PrefixCache:
     def best_match(self, tokens: list[int], limit: int, live_prefix) -> tuple[Slot | None, int]:
         """The slot holding the longest prefix of `tokens`, at most `limit` long. A live slot is
         read through `live_prefix(slot)`: (tokens, how many of them are computed)."""
-        best, best_len, _ = self._match(tokens, limit, live_prefix)
-        return best, best_len
+        placement = self._match(tokens, limit, live_prefix)
+        return placement.src, placement.length
 
-    def _match(self, tokens: list[int], limit: int, live_prefix) -> tuple[Slot | None, int, bool]:
-        """best_match, and whether `tokens` go on into an idle slot's reply."""
+    def _match(self, tokens: list[int], limit: int, live_prefix) -> Placement:
+        """best_match as a placement in the source slot, with what the retention rules learn
+        from it: idle slots are read as they were before their cells were dropped."""
         best, best_len, continues_reply = None, 0, False
+        idle_prompt, live_prompt = 0, 0  # the longest prefix each kind of slot gives, or gave
         if not self.enabled or limit <= 0:
-            return None, 0, False
+            return Placement(None, None, 0)
         for slot in self.slots:
             if slot.live:
                 held, usable = live_prefix(slot)
                 prompt_length = len(held)
             else:
                 held, usable, prompt_length = slot.tokens, slot.cached, slot.prompt_length
-            if usable == 0 or held[0] != tokens[0]:
+            if not held or held[0] != tokens[0]:
                 continue
             common = common_prefix(held, tokens)
-            continues_reply |= not slot.live and common > prompt_length
+            if slot.live:
+                live_prompt = max(live_prompt, min(common, limit))
+            else:
+                idle_prompt = max(idle_prompt, min(common, prompt_length, limit))
+                continues_reply |= common > prompt_length
             n = self._reusable(min(common, usable, limit), prompt_length, len(tokens))
             # Ties go to an idle slot, which can be taken over without a copy.
             if n > best_len or (n == best_len and n and best.live and not slot.live):
                 best, best_len = slot, n
-        return best, best_len, continues_reply
+        reuses_idle_prompt = idle_prompt - live_prompt >= self.IDLE_PROMPT_GAIN
+        return Placement(best, best, best_len, continues_reply, reuses_idle_prompt)
 
     def _reusable(self, n: int, held_prompt: int, new_length: int) -> int:
         """How much of a common prefix of `n` tokens to reuse, so that every reused cell is the
@@ -185,15 +204,16 @@ class PrefixCache:
         idle = self.idle_slots()
         if not idle:
             return None
-        src, length, continues = self._match(tokens, limit, live_prefix)
-        if src is not None and not src.live and length >= self.REUSE_IN_PLACE * src.cached:
-            return Placement(src, src, length, continues)
+        match = self._match(tokens, limit, live_prefix)
+        src = match.src
+        if src is not None and not src.live and match.length >= self.REUSE_IN_PLACE * src.cached:
+            return match
         # An empty slot first, else the least recently used one (never the source itself).
         dst = min((s for s in idle if s is not src),
                   key=lambda s: (s.cached > 0, s.last_used), default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
-            return Placement(src, src, length, continues)
-        return Placement(dst, src, length, continues)
+            return match
+        return replace(match, dst=dst)
 
     # ---- changes ----
 
@@ -201,8 +221,9 @@ class PrefixCache:
         """A sequence starts in `placement.dst` (`resumed`: again, after a preemption); returns
         the KV operation that sets it up."""
         dst, src, length = placement.dst, placement.src, placement.length
-        if not resumed:  # a resumed sequence continues its own output, not a finished reply
-            self.retention.admitted(placement.continues_reply)
+        if not resumed:  # a resumed sequence continues its own output, not a finished one
+            self.replies.admitted(placement.continues_reply)
+            self.prompts.admitted(placement.reuses_idle_prompt)
         if src is None or length == 0:
             op = KvOp("clear", dst.id)
             dst.runs = []
@@ -234,10 +255,11 @@ class PrefixCache:
     def finish(self, slot: Slot, computed_tokens: list[int], keep: bool = True,
                prompt_length: int | None = None, preempted: bool = False) -> list[KvOp]:
         """The slot's sequence ended (or was `preempted`) having computed `computed_tokens`, the
-        first `prompt_length` of them its prompt (default: all). They stay cached — the reply
-        only if the retention rule keeps replies or the sequence will resume from it; cells a
-        decode wrote past them, for a sequence aborted meanwhile, are dropped — or are cleared
-        at once when the cache is off or `keep` is false."""
+        first `prompt_length` of them its prompt (default: all). They stay cached as far as the
+        retention rules keep replies and prompts (all of them when the sequence will resume
+        from them); the slot remembers them all either way. Cells a decode wrote past them, for
+        a sequence aborted meanwhile, are dropped. Everything is forgotten at once when the
+        cache is off or `keep` is false."""
         slot.live = False
         slot.last_used = next(self._clock)
         slot.tokens = computed_tokens
@@ -245,11 +267,13 @@ class PrefixCache:
                                  len(computed_tokens))
         if not (self.enabled and keep):
             return self.evict(slot)
-        cached = (len(computed_tokens) if preempted or self.retention.keeps_replies
-                  else slot.prompt_length)
+        if preempted or self.replies.keeps:
+            cached = len(computed_tokens)
+        else:
+            cached = slot.prompt_length if self.prompts.keeps else 0
         slot.runs = _clip(slot.runs, cached)
         self._recount()
-        return [KvOp("share", slot.id, slot.id, cached)]
+        return [KvOp("share", slot.id, slot.id, cached) if cached else KvOp("clear", slot.id)]
 
     def evict(self, slot: Slot) -> list[KvOp]:
         """Forget what an idle slot holds."""

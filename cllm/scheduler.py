@@ -70,7 +70,8 @@ class Scheduler:
     def __init__(self, *, max_seqs: int, token_budget: int, kv_capacity: int, max_queue: int,
                  max_seq_len: int | None = None, eog_tokens: frozenset[int] = frozenset(),
                  n_slots: int | None = None, shared_kv: bool = True,
-                 prefix_cache: bool = True, cache_replies: str = "auto", prefill_block: int = 1,
+                 prefix_cache: bool = True, cache_replies: str = "auto",
+                 cache_prompts: str = "auto", prefill_block: int = 1,
                  prefill_stagger: int | None = None, first_tokens_apart: bool = False) -> None:
         self.max_seqs = max_seqs
         self.first_tokens_apart = first_tokens_apart
@@ -82,7 +83,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.eog_tokens = eog_tokens
         self.cache = PrefixCache(n_slots or max_seqs, shared_cells=shared_kv,
-                                 enabled=prefix_cache, block=prefill_block, replies=cache_replies)
+                                 enabled=prefix_cache, block=prefill_block, replies=cache_replies,
+                                 prompts=cache_prompts)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it

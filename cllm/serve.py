@@ -51,6 +51,10 @@ OPTIONS = {
                       "whether finished requests' replies stay cached in one KV pool, where every "
                       "step attends over them: auto (while recent requests continue earlier "
                       "replies, as chats do), keep or drop"),
+    "cache_prompts": (str, _ENGINE.cache_prompts,
+                      "whether finished requests' prompts stay cached in one KV pool: auto (while "
+                      "recent requests start from prompts no running request holds, as repeated "
+                      "documents and chats do), keep or drop"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
     "ubatch_size": (int, _ENGINE.n_ubatch, "tokens per llama.cpp micro-batch"),
     "prefill_stagger": (int, _ENGINE.prefill_stagger,
@@ -145,6 +149,7 @@ def build_config(options: dict) -> ServerConfig:
         prefill_stagger=options["prefill_stagger"], n_threads=options["threads"], cpu_wait=options["cpu_wait"],
         kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
         prefix_cache=options["prefix_cache"], cache_replies=options["cache_replies"],
+        cache_prompts=options["cache_prompts"],
         n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"],

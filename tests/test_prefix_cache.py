@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from cllm.prefix_cache import KvOp, PrefixCache, ReplyRetention, common_prefix
+from cllm.prefix_cache import KvOp, PrefixCache, Retention, common_prefix
 
 
 def no_live(slot):
@@ -185,10 +185,60 @@ def test_replies_that_come_back_are_noticed_though_dropped_and_kept_again():
     assert run_sequence(cache, turn_4).length == len(turn_3) + 5
 
 
-def test_split_streams_keep_replies_whatever_comes_back():
-    cache = PrefixCache(8, shared_cells=False)
-    one_shot(cache, 6)
+def test_split_streams_keep_replies_and_prompts_whatever_comes_back():
+    cache = PrefixCache(64, shared_cells=False)
+    one_shot(cache, 40)  # in one pool the last of them would leave nothing cached
     assert all(s.cached == len(s.tokens) for s in cache.slots)
+
+
+def distinct_prompts(cache, n, first=0):
+    """`n` requests, each with a 40-token prompt of its own and a 10-token reply."""
+    for i in range(first, first + n):
+        run_sequence(cache, [2000 + i] * 40, reply=[7] * 10)
+
+
+def held_prompts(cache):
+    return [s.cached for s in sorted(cache.slots, key=lambda s: s.last_used) if s.tokens]
+
+
+def test_in_one_pool_distinct_prompts_leave_no_cells_once_a_window_of_them_reused_none():
+    cache = PrefixCache(64, shared_cells=True)
+    distinct_prompts(cache, 40)
+    # The first 31 finished before the window of 32 admissions was full: kept, as on a fresh
+    # server; from the 32nd on, nothing is kept, but every slot remembers its tokens.
+    assert held_prompts(cache) == [40] * 31 + [0] * 9
+    assert cache.cells_used == 31 * 40
+    assert all(len(s.tokens) == 50 for s in cache.slots if s.tokens)
+
+
+def test_idle_prompts_that_come_back_are_noticed_though_dropped_and_kept_again():
+    cache = PrefixCache(64, shared_cells=True)
+    distinct_prompts(cache, 40)
+    dropped = [s.tokens[:40] for s in cache.slots if s.tokens and not s.cached]
+    for prompt in dropped[:7]:  # each finds nothing cached, but would have: counted ...
+        assert run_sequence(cache, prompt + [1, 2]).length == 0
+    assert not cache.prompts.keeps
+    run_sequence(cache, dropped[7] + [1, 2])  # ... eight in the last 32 keep prompts again
+    assert cache.prompts.keeps and held_prompts(cache)[-1] == 42
+    assert run_sequence(cache, dropped[7] + [1, 2, 3]).length == 42
+
+
+def test_a_prompt_a_running_sequence_holds_is_no_reason_to_keep_idle_ones():
+    cache = PrefixCache(4, shared_cells=True)
+    doc = list(range(100, 200))
+    run_sequence(cache, doc + [1])  # idle now, holding the document
+    question = doc + [2, 3]
+    assert cache.place(question, 101, no_live).reuses_idle_prompt
+    cache.REUSE_IN_PLACE = 1.0  # the next one starts in another slot: the first stays idle
+    cache.start(cache.place(doc + [4], 100, no_live))
+    running = lambda slot: (doc + [4], 101)  # ... beside a live one holding the document too
+    placement = cache.place(question, 101, running)
+    assert placement.length == 100 and not placement.reuses_idle_prompt
+    # Only a gain of IDLE_PROMPT_GAIN tokens or more over the running ones counts.
+    running = lambda slot: (doc[:100 - cache.IDLE_PROMPT_GAIN] + [4], 101)
+    assert cache.place(question, 101, running).reuses_idle_prompt
+    running = lambda slot: (doc[:101 - cache.IDLE_PROMPT_GAIN] + [4], 101)
+    assert not cache.place(question, 101, running).reuses_idle_prompt
 
 
 def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_back():
@@ -197,11 +247,18 @@ def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_b
     cache.start(placement)  # an admission that continues nothing: auto drops replies
     cache.extend(placement.dst, 0, 30)
     cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, preempted=True)
-    assert not cache.retention.keeps_replies and placement.dst.cached == 30
+    assert not cache.replies.keeps and placement.dst.cached == 30
     resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
     assert resumed.length == 29 and resumed.continues_reply  # it runs into its own output ...
     cache.start(resumed, resumed=True)
-    assert not cache.retention.keeps_replies  # ... which does not count as a reply reused
+    assert not cache.replies.keeps  # ... which does not count as a reply reused
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+def test_a_fixed_mode_for_prompts_decides_whatever_comes_back(mode):
+    cache = PrefixCache(64, shared_cells=True, prompts=mode)
+    distinct_prompts(cache, 40)  # auto would keep the first 31 and drop the rest
+    assert held_prompts(cache) == [40 if mode == "keep" else 0] * 40
 
 
 @pytest.mark.parametrize("mode", ["keep", "drop"])
@@ -220,7 +277,16 @@ def test_a_fixed_mode_decides_whatever_comes_back(mode):
     ("", True), ("-", False), ("---c", True), ("----c", False),
     ("c" * 8 + "-" * 24, True), ("c" * 8 + "-" * 25, False)])  # the window holds the last 32
 def test_auto_keeps_replies_while_a_quarter_of_recent_admissions_continue_one(admissions, keeps):
-    retention = ReplyRetention("auto")
+    retention = Retention("auto")
     for admission in admissions:
         retention.admitted(admission == "c")
-    assert retention.keeps_replies is keeps
+    assert retention.keeps is keeps
+
+
+@pytest.mark.parametrize("admissions, keeps", [
+    ("-" * 31, True), ("-" * 32, False), ("c" * 8 + "-" * 24, True), ("c" * 7 + "-" * 25, False)])
+def test_auto_with_a_minimum_of_admissions_keeps_until_it_has_seen_them(admissions, keeps):
+    retention = Retention("auto", min_admissions=32)
+    for admission in admissions:
+        retention.admitted(admission == "c")
+    assert retention.keeps is keeps
