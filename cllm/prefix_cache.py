@@ -221,7 +221,11 @@ class PrefixCache:
         """A sequence starts in `placement.dst` (`resumed`: again, after a preemption); returns
         the KV operation that sets it up."""
         dst, src, length = placement.dst, placement.src, placement.length
-        if not resumed:  # a resumed sequence continues its own output, not a finished one
+        # What the retention rules learn from: an admission that an idle slot could have served.
+        # Before any sequence has finished there is none (a fresh server's first requests, a
+        # benchmark's first wave): those admissions say nothing either way. A resumed sequence
+        # continues its own output, not a finished one.
+        if not resumed and any(s.tokens for s in self.idle_slots()):
             self.replies.admitted(placement.continues_reply)
             self.prompts.admitted(placement.reuses_idle_prompt)
         if src is None or length == 0:

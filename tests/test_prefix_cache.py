@@ -165,19 +165,21 @@ def one_shot(cache, n, reply_token=7):
 def test_in_one_pool_one_shot_requests_leave_only_their_prompts_cells():
     cache = PrefixCache(8, shared_cells=True)
     one_shot(cache, 4)
-    # Each holds its 20 prompt cells and remembers its reply's tokens.
-    assert cache.cells_used == 4 * 20
-    assert [(s.cached, len(s.tokens)) for s in cache.slots if s.tokens] == [(20, 70)] * 4
+    # The first finished before any admission could have continued a reply: with no evidence
+    # yet, it keeps its reply. The others hold their 20 prompt cells and remember their replies.
+    assert cache.cells_used == 70 + 3 * 20
+    assert [(s.cached, len(s.tokens)) for s in cache.slots if s.tokens] == [(70, 70)] + [(20, 70)] * 3
 
 
 def test_replies_that_come_back_are_noticed_though_dropped_and_kept_again():
     cache = PrefixCache(8, shared_cells=True)
     one_shot(cache, 6)
-    turn_1 = next(s for s in cache.slots if s.tokens).tokens
+    turn_1 = next(s for s in cache.slots if s.tokens and s.cached < len(s.tokens)).tokens
     # A chat's next turn (the whole first one, and more) finds only the prompt's cells ...
     turn_2 = turn_1 + [5] * 10
     assert run_sequence(cache, turn_2, reply=[6] * 50).length == 20
-    # ... but counts: two continuations in eight admissions (a quarter) keep replies again,
+    # ... but counts: two continuations in the seven admissions that had a finished sequence
+    # to continue (more than a quarter) keep replies again,
     # and the turn after the next one starts from the whole of it.
     turn_3 = turn_2 + [6] * 50 + [4] * 10
     run_sequence(cache, turn_3, reply=[3] * 5)
@@ -202,17 +204,18 @@ def held_prompts(cache):
 
 
 def test_in_one_pool_distinct_prompts_leave_no_cells_once_a_window_of_them_reused_none():
-    cache = PrefixCache(64, shared_cells=True)
+    cache = PrefixCache(64, shared_cells=True, replies="drop")
     distinct_prompts(cache, 40)
-    # The first 31 finished before the window of 32 admissions was full: kept, as on a fresh
-    # server; from the 32nd on, nothing is kept, but every slot remembers its tokens.
-    assert held_prompts(cache) == [40] * 31 + [0] * 9
-    assert cache.cells_used == 31 * 40
+    # The first admission had nothing finished to reuse, so only the next ones count. The first
+    # 32 finished before the window of 32 was full: kept, as on a fresh server; from the 33rd
+    # on, nothing is kept, but every slot remembers its tokens.
+    assert held_prompts(cache) == [40] * 32 + [0] * 8
+    assert cache.cells_used == 32 * 40
     assert all(len(s.tokens) == 50 for s in cache.slots if s.tokens)
 
 
 def test_idle_prompts_that_come_back_are_noticed_though_dropped_and_kept_again():
-    cache = PrefixCache(64, shared_cells=True)
+    cache = PrefixCache(64, shared_cells=True, replies="drop")
     distinct_prompts(cache, 40)
     dropped = [s.tokens[:40] for s in cache.slots if s.tokens and not s.cached]
     for prompt in dropped[:7]:  # each finds nothing cached, but would have: counted ...
@@ -243,6 +246,7 @@ def test_a_prompt_a_running_sequence_holds_is_no_reason_to_keep_idle_ones():
 
 def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_back():
     cache = PrefixCache(4, shared_cells=True)
+    one_shot(cache, 1)
     placement = cache.place([1] * 20, 19, no_live)
     cache.start(placement)  # an admission that continues nothing: auto drops replies
     cache.extend(placement.dst, 0, 30)
@@ -256,8 +260,8 @@ def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_b
 
 @pytest.mark.parametrize("mode", ["keep", "drop"])
 def test_a_fixed_mode_for_prompts_decides_whatever_comes_back(mode):
-    cache = PrefixCache(64, shared_cells=True, prompts=mode)
-    distinct_prompts(cache, 40)  # auto would keep the first 31 and drop the rest
+    cache = PrefixCache(64, shared_cells=True, prompts=mode, replies="drop")
+    distinct_prompts(cache, 40)  # auto would keep the first 32 and drop the rest
     assert held_prompts(cache) == [40 if mode == "keep" else 0] * 40
 
 
