@@ -40,6 +40,7 @@ class Slot:
     live: bool = False      # a running sequence writes it
     last_used: int = 0      # a clock tick, for least-recently-used eviction
     own_group: int | None = None  # the group it is extending, if its last run is its own
+    resumable: bool = False  # idle: a preempted sequence will resume from all it holds
 
     @property
     def cached(self) -> int:
@@ -241,6 +242,7 @@ class PrefixCache:
             src.last_used = next(self._clock)  # a prefix others start from is in use
         dst.tokens = []  # a live slot's tokens are its sequence's
         dst.live = True
+        dst.resumable = False
         dst.own_group = None
         dst.last_used = next(self._clock)
         self._recount()
@@ -263,7 +265,9 @@ class PrefixCache:
         retention rules keep replies and prompts (all of them when the sequence will resume
         from them); the slot remembers them all either way. Cells a decode wrote past them, for
         a sequence aborted meanwhile, are dropped. Everything is forgotten at once when the
-        cache is off or `keep` is false."""
+        cache is off or `keep` is false. Other idle slots give up what the rules no longer keep:
+        what they kept before the rules learned otherwise would cost every step for good, since
+        new sequences take emptied slots first."""
         slot.live = False
         slot.last_used = next(self._clock)
         slot.tokens = computed_tokens
@@ -271,17 +275,28 @@ class PrefixCache:
                                  len(computed_tokens))
         if not (self.enabled and keep):
             return self.evict(slot)
-        if preempted or self.replies.keeps:
-            cached = len(computed_tokens)
-        else:
-            cached = slot.prompt_length if self.prompts.keeps else 0
-        slot.runs = _clip(slot.runs, cached)
+        slot.resumable = preempted
+        ops = [self._trim(slot, self._kept_length(slot))]  # also when it keeps all it computed
+        for other in self.idle_slots():
+            if other is not slot and other.cached > self._kept_length(other):
+                ops.append(self._trim(other, self._kept_length(other)))
         self._recount()
-        return [KvOp("share", slot.id, slot.id, cached) if cached else KvOp("clear", slot.id)]
+        return ops
+
+    def _kept_length(self, slot: Slot) -> int:
+        """How much of an idle slot's tokens the retention rules keep cached now."""
+        if slot.resumable or self.replies.keeps:
+            return len(slot.tokens)
+        return slot.prompt_length if self.prompts.keeps else 0
+
+    def _trim(self, slot: Slot, length: int) -> KvOp:
+        slot.runs = _clip(slot.runs, min(length, slot.cached))
+        return KvOp("share", slot.id, slot.id, length) if slot.runs else KvOp("clear", slot.id)
 
     def evict(self, slot: Slot) -> list[KvOp]:
         """Forget what an idle slot holds."""
         slot.tokens, slot.runs, slot.own_group, slot.prompt_length = [], [], None, 0
+        slot.resumable = False
         self._recount()
         return [KvOp("clear", slot.id)]
 

@@ -156,19 +156,23 @@ def test_with_blocks_a_prefix_ends_on_a_block_or_in_both_prompts_last_partial_bl
     assert cache.best_match(doc[:100] + [3] * 50, 149, no_live) == (slot, 64)
 
 
-def one_shot(cache, n, reply_token=7):
+def one_shot(cache, n, reply_token=7, first=0):
     """`n` requests with prompts of their own, each with a 50-token reply."""
-    for i in range(n):
+    for i in range(first, first + n):
         run_sequence(cache, [1000 + i] * 20, reply=[reply_token] * 50)
 
 
 def test_in_one_pool_one_shot_requests_leave_only_their_prompts_cells():
     cache = PrefixCache(8, shared_cells=True)
-    one_shot(cache, 4)
-    # The first finished before any admission could have continued a reply: with no evidence
-    # yet, it keeps its reply. The others hold their 20 prompt cells and remember their replies.
-    assert cache.cells_used == 70 + 3 * 20
-    assert [(s.cached, len(s.tokens)) for s in cache.slots if s.tokens] == [(70, 70)] + [(20, 70)] * 3
+    one_shot(cache, 1)
+    # It finished before any admission could have continued a reply: no evidence, so it keeps
+    # its reply ...
+    assert [(s.cached, len(s.tokens)) for s in cache.slots if s.tokens] == [(70, 70)]
+    one_shot(cache, 3, first=1)
+    # ... until the next ones continue none: then every slot holds its 20 prompt cells only, and
+    # remembers its reply's tokens.
+    assert cache.cells_used == 4 * 20
+    assert [(s.cached, len(s.tokens)) for s in cache.slots if s.tokens] == [(20, 70)] * 4
 
 
 def test_replies_that_come_back_are_noticed_though_dropped_and_kept_again():
@@ -205,12 +209,14 @@ def held_prompts(cache):
 
 def test_in_one_pool_distinct_prompts_leave_no_cells_once_a_window_of_them_reused_none():
     cache = PrefixCache(64, shared_cells=True, replies="drop")
-    distinct_prompts(cache, 40)
-    # The first admission had nothing finished to reuse, so only the next ones count. The first
-    # 32 finished before the window of 32 was full: kept, as on a fresh server; from the 33rd
-    # on, nothing is kept, but every slot remembers its tokens.
-    assert held_prompts(cache) == [40] * 32 + [0] * 8
-    assert cache.cells_used == 32 * 40
+    distinct_prompts(cache, 32)
+    # The first admission had nothing finished to reuse, so only the next 31 count: fewer than
+    # the window of 32, so every prompt stays, as on a fresh server ...
+    assert held_prompts(cache) == [40] * 32
+    distinct_prompts(cache, 8, first=32)
+    # ... and once the window is full of requests that reused none, the prompts kept before go
+    # too; every slot still remembers its tokens.
+    assert held_prompts(cache) == [0] * 40 and cache.cells_used == 0
     assert all(len(s.tokens) == 50 for s in cache.slots if s.tokens)
 
 
@@ -246,12 +252,14 @@ def test_a_prompt_a_running_sequence_holds_is_no_reason_to_keep_idle_ones():
 
 def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_back():
     cache = PrefixCache(4, shared_cells=True)
-    one_shot(cache, 1)
+    one_shot(cache, 1)  # something finished: the next admission counts
     placement = cache.place([1] * 20, 19, no_live)
     cache.start(placement)  # an admission that continues nothing: auto drops replies
     cache.extend(placement.dst, 0, 30)
     cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, preempted=True)
     assert not cache.replies.keeps and placement.dst.cached == 30
+    one_shot(cache, 1, first=1)  # another ends while replies are dropped: nothing to resume from
+    assert placement.dst.cached == 30
     resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
     assert resumed.length == 29 and resumed.continues_reply  # it runs into its own output ...
     cache.start(resumed, resumed=True)
@@ -261,7 +269,7 @@ def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_b
 @pytest.mark.parametrize("mode", ["keep", "drop"])
 def test_a_fixed_mode_for_prompts_decides_whatever_comes_back(mode):
     cache = PrefixCache(64, shared_cells=True, prompts=mode, replies="drop")
-    distinct_prompts(cache, 40)  # auto would keep the first 32 and drop the rest
+    distinct_prompts(cache, 40)  # auto would keep them all until the 33rd, then drop them all
     assert held_prompts(cache) == [40 if mode == "keep" else 0] * 40
 
 
