@@ -379,6 +379,22 @@ def test_in_one_pool_only_replies_that_come_back_stay_cached(model_path):
         eng.shutdown()
 
 
+def test_in_one_pool_dropped_prompts_leave_no_cells_and_are_computed_again(model_path):
+    """With prompts and replies dropped, a finished request leaves nothing in the pool
+    (llama.cpp agrees), and the same prompt again is computed in full."""
+    eng = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=True,
+                              cache_prompts="drop", cache_replies="drop"), model_path)
+    try:
+        prompt = eng.model.tokenize(PROMPTS[0])
+        for _ in range(2):
+            _, _, final = asyncio.run(run_tokens(eng, prompt, max_tokens=4, temperature=0))
+            assert final.cached_tokens == 0
+            assert eng.cached_cells == 0
+            assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_a_long_prompt_evicts_cached_prefixes_and_nothing_live_is_lost(model_path):
     small = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_batch=256, n_threads=2,
                                 kv_unified=True), model_path)

@@ -28,12 +28,21 @@ def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):
     assert serve.build_config(flagged).engine.decode_steps == 2
 
 
+def test_retention_rules_reach_the_engine_config():
+    engine = serve.build_config(serve.parse_args(["--cache-prompts", "drop",
+                                                  "--cache-replies", "keep"])).engine
+    assert (engine.cache_prompts, engine.cache_replies) == ("drop", "keep")
+    assert serve.build_config(serve.parse_args([])).engine.cache_prompts == "auto"
+
+
 @pytest.mark.parametrize("argv, reason", [
     (["--parallel", "0"], "n_parallel must be at least 1"),
     (["--flash-attn", "sometimes"], "flash_attn must be auto, on or off"),
     (["--request-timeout", "0"], "request_timeout must be positive"),
     (["--cpu-wait", "yield"], "cpu_wait must be one of auto, spin, sleep"),
     (["--stream-interval", "0"], "stream_interval must be at least 1"),
+    (["--cache-replies", "always"], "cache_replies must be one of auto, keep, drop"),
+    (["--cache-prompts", "never"], "cache_prompts must be one of auto, keep, drop"),
 ])
 def test_bad_values_exit_2_with_the_reason(argv, reason, capsys):
     assert serve.main(argv) == 2
