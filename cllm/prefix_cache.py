@@ -276,10 +276,12 @@ class PrefixCache:
         if not (self.enabled and keep):
             return self.evict(slot)
         slot.resumable = preempted
-        ops = [self._trim(slot, self._kept_length(slot))]  # also when it keeps all it computed
+        # Its own trim always goes out: it also drops cells a decode wrote past what it computed.
+        ops = [self._trim(slot, self._kept_length(slot))]
         for other in self.idle_slots():
-            if other is not slot and other.cached > self._kept_length(other):
-                ops.append(self._trim(other, self._kept_length(other)))
+            kept = self._kept_length(other)
+            if other is not slot and other.cached > kept:
+                ops.append(self._trim(other, kept))
         self._recount()
         return ops
 
@@ -290,6 +292,7 @@ class PrefixCache:
         return slot.prompt_length if self.prompts.keeps else 0
 
     def _trim(self, slot: Slot, length: int) -> KvOp:
+        """Keep the cells of an idle slot's first `length` positions; the KvOp that does it."""
         slot.runs = _clip(slot.runs, min(length, slot.cached))
         return KvOp("share", slot.id, slot.id, length) if slot.runs else KvOp("clear", slot.id)
 
