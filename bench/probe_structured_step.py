@@ -81,11 +81,12 @@ def measure(engine: Engine, level: int, grammar, lengths: list[int]) -> dict:
     counts = asyncio.run(run())
     wall = time.perf_counter() - start
     engine.ctx, engine._masks.fill, engine._advance_matchers = engine.ctx.ctx, fill.fn, advance.fn
-    run = engine.ctx.run_timing()
+    timing = engine.ctx.run_timing()
     # a step is a Context.step call or one step of a decode run (whose masks fill in after_step)
-    steps = max(1, step.calls + run["steps"])
-    run_seconds = run["steps"] * (run["decode_ms"] + run["after_step_ms"] + run["sample_ms"]) / 1000
-    return {"counts": counts, "tokens": sum(counts), "wall_s": wall, "steps": steps, "run": run,
+    steps = max(1, step.calls + timing["steps"])
+    run_seconds = timing["steps"] * (timing["decode_ms"] + timing["after_step_ms"]
+                                     + timing["sample_ms"]) / 1000
+    return {"counts": counts, "tokens": sum(counts), "wall_s": wall, "steps": steps, "run": timing,
             "step_ms": 1000 * (step.seconds + run_seconds) / steps,
             "masks_ms": 1000 * fill.seconds / steps,
             "matchers_ms": 1000 * advance.seconds / steps}

@@ -293,7 +293,7 @@ class PrefixCache:
 
     def _trim(self, slot: Slot, length: int) -> KvOp:
         """Keep the cells of an idle slot's first `length` positions; the KvOp that does it."""
-        slot.runs = _clip(slot.runs, min(length, slot.cached))
+        slot.runs = _clip(slot.runs, length)
         return KvOp("share", slot.id, slot.id, length) if slot.runs else KvOp("clear", slot.id)
 
     def evict(self, slot: Slot) -> list[KvOp]:
