@@ -73,6 +73,27 @@ def test_split_streams_copy_a_shared_prefix():
     assert placement.length == 500 and cache.cells_used == 1001  # a copy: its own cells
 
 
+def nothing_computed(slot):
+    return [], 0
+
+
+@pytest.mark.parametrize("shared_cells, expected", [(False, 1), (True, 3)])
+def test_split_streams_keep_running_sequences_in_consecutive_slots(shared_cells, expected):
+    """llama.cpp decodes each run of consecutive split streams in a pass of its own: a new
+    sequence fills the gap a finished one left, even over an empty slot; one pool has no gaps
+    and takes the empty slot, keeping what the finished sequence left."""
+    cache = PrefixCache(6, shared_cells=shared_cells)
+    live = []
+    for k in range(3):
+        placement = cache.place([k] * 8, 7, nothing_computed)
+        cache.start(placement)
+        live.append(placement.dst)
+    assert [slot.id for slot in live] == [0, 1, 2]
+    cache.extend(live[1], 0, 8)
+    cache.finish(live[1], [1] * 8)
+    assert cache.place([9] * 8, 7, nothing_computed).dst.id == expected
+
+
 def test_reuse_in_place_trims_and_the_evicted_lru_goes_first():
     cache = PrefixCache(3, shared_cells=True)
     a, b, c = ([k] * 40 for k in (1, 2, 3))
