@@ -1,6 +1,8 @@
 """Chat templates (cllm/chat_template.py): the sandbox, the helpers templates use, errors as 400s,
 and the renderer's limits on time, memory and output; no model needed."""
 import asyncio
+import multiprocessing
+import time
 import tracemalloc
 
 import pytest
@@ -154,6 +156,27 @@ def render_all(source: str, contents: list[str], timeout: float = 30) -> list[st
 
 def test_renderer_renders():
     assert render_all(SPIN, ["Hi", "again"]) == ["Hi", "again"]
+
+
+def test_every_worker_starts_with_the_renderer_and_renders_without_another_start():
+    def workers():
+        return {p.pid for p in multiprocessing.active_children() if p.name == "cllm-template"}
+    renderer = TemplateRenderer(ChatTemplate(SPIN, bos_token="", eos_token=""), timeout=30,
+                                workers=2)
+    try:
+        deadline = time.monotonic() + 30
+        while len(workers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = workers()
+        assert len(started) == 2  # before any request asked for a render
+
+        async def two_at_once():
+            return await asyncio.gather(*(renderer.render([{"role": "user", "content": "Hi"}])
+                                          for _ in range(2)))
+        assert asyncio.run(two_at_once()) == ["Hi", "Hi"]
+        assert workers() == started
+    finally:
+        renderer.close()
 
 
 def test_render_past_its_deadline_is_a_400_and_the_next_render_works():
