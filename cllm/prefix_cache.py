@@ -40,7 +40,9 @@ class Slot:
     live: bool = False      # a running sequence writes it
     last_used: int = 0      # a clock tick, for least-recently-used eviction
     own_group: int | None = None  # the group it is extending, if its last run is its own
-    resumable: bool = False  # idle: a preempted sequence will resume from all it holds
+    # Idle: the preempted sequence (any key the caller chooses) that will resume from all it
+    # holds.
+    resuming: object = None
 
     @property
     def cached(self) -> int:
@@ -231,15 +233,15 @@ class PrefixCache:
 
     # ---- changes ----
 
-    def start(self, placement: Placement, resumed: bool = False) -> list[KvOp]:
-        """A sequence starts in `placement.dst` (`resumed`: again, after a preemption); returns
-        the KV operation that sets it up."""
+    def start(self, placement: Placement, resuming: object = None) -> list[KvOp]:
+        """A sequence starts in `placement.dst` (`resuming`: the preempted sequence starting
+        again, as finish() was told); returns the KV operations that set it up."""
         dst, src, length = placement.dst, placement.src, placement.length
         # What the retention rules learn from: an admission that an idle slot could have served.
         # Before any sequence has finished there is none (a fresh server's first requests, a
         # benchmark's first wave): those admissions say nothing either way. A resumed sequence
         # continues its own output, not a finished one.
-        if not resumed and any(s.tokens for s in self.idle_slots()):
+        if resuming is None and any(s.tokens for s in self.idle_slots()):
             self.replies.admitted(placement.continues_reply)
             self.prompts.admitted(placement.reuses_idle_prompt)
         if src is None or length == 0:
@@ -255,11 +257,14 @@ class PrefixCache:
             src.last_used = next(self._clock)  # a prefix others start from is in use
         dst.tokens = []  # a live slot's tokens are its sequence's
         dst.live = True
-        dst.resumable = False
+        dst.resuming = None
         dst.own_group = None
         dst.last_used = next(self._clock)
+        ops = [op]
+        if src is not None and src is not dst and resuming is not None:
+            ops += self.abandon(resuming)  # it resumed elsewhere, sharing what it needed
         self._recount()
-        return [op]
+        return ops
 
     def extend(self, slot: Slot, start: int, n: int) -> None:
         """`slot`'s sequence computed `n` new tokens from position `start`: new cells."""
@@ -272,8 +277,9 @@ class PrefixCache:
         self.cells_used += n
 
     def finish(self, slot: Slot, computed_tokens: list[int], keep: bool = True,
-               prompt_length: int | None = None, preempted: bool = False) -> list[KvOp]:
-        """The slot's sequence ended (or was `preempted`) having computed `computed_tokens`, the
+               prompt_length: int | None = None, resuming: object = None) -> list[KvOp]:
+        """The slot's sequence ended (or was preempted, to resume as `resuming`: any key, given
+        again to start() or abandon()) having computed `computed_tokens`, the
         first `prompt_length` of them its prompt (default: all). They stay cached as far as the
         retention rules keep replies and prompts (all of them when the sequence will resume
         from them); the slot remembers them all either way. Cells a decode wrote past them, for
@@ -288,7 +294,7 @@ class PrefixCache:
                                  len(computed_tokens))
         if not (self.enabled and keep):
             return self.evict(slot)
-        slot.resumable = preempted
+        slot.resuming = resuming
         # Its own trim always goes out: it also drops cells a decode wrote past what it computed.
         ops = [self._trim(slot, self._kept_length(slot))]
         for other in self.idle_slots():
@@ -300,7 +306,7 @@ class PrefixCache:
 
     def _kept_length(self, slot: Slot) -> int:
         """How much of an idle slot's tokens the retention rules keep cached now."""
-        if slot.resumable or self.replies.keeps:
+        if slot.resuming is not None or self.replies.keeps:
             return len(slot.tokens)
         return slot.prompt_length if self.prompts.keeps else 0
 
@@ -312,9 +318,20 @@ class PrefixCache:
     def evict(self, slot: Slot) -> list[KvOp]:
         """Forget what an idle slot holds."""
         slot.tokens, slot.runs, slot.own_group, slot.prompt_length = [], [], None, 0
-        slot.resumable = False
+        slot.resuming = None
         self._recount()
         return [KvOp("clear", slot.id)]
+
+    def abandon(self, resuming: object) -> list[KvOp]:
+        """The preempted sequence `resuming` will not resume from its slot (it ended while it
+        waited, or resumed elsewhere): the slot keeps only what the retention rules keep."""
+        for slot in self.idle_slots():
+            if slot.resuming is resuming:
+                slot.resuming = None
+                op = self._trim(slot, self._kept_length(slot))
+                self._recount()
+                return [op]
+        return []
 
     def eviction_order(self, keep: Slot | None = None) -> list[Slot]:
         """Idle slots holding something, least recently used first."""

@@ -127,6 +127,7 @@ class Scheduler:
             self._release(seq, ending=True)
         else:
             self.waiting.remove(seq)
+            self._kv_ops += self.cache.abandon(seq)  # if preempted: it will not resume
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -246,7 +247,8 @@ class Scheduler:
         # either, once it ends.
         keep = seq.cache_prompt or not ending
         self._kv_ops += self.cache.finish(slot, seq.token_ids(0, seq.num_computed_tokens), keep,
-                                          seq.num_prompt_tokens, preempted=not ending)
+                                          seq.num_prompt_tokens,
+                                          resuming=None if ending else seq)
         self._released.append((seq.seq_id, seq))
         seq.seq_id = None
 
@@ -352,7 +354,7 @@ class Scheduler:
         if placement is None or not self._room_to_start(seq, placement):
             return False
         first_start = seq.first_scheduled_time is None  # not resuming after a preemption
-        self._kv_ops += self.cache.start(placement, resumed=not first_start)
+        self._kv_ops += self.cache.start(placement, resuming=None if first_start else seq)
         seq.seq_id = placement.dst.id
         self._slot_seq[seq.seq_id] = seq
         seq.num_computed_tokens = placement.length

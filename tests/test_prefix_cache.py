@@ -1,5 +1,6 @@
 """The prefix cache alone: matching, placement, cell counts of shared and copied prefixes."""
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -277,14 +278,45 @@ def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_b
     placement = cache.place([1] * 20, 19, no_live)
     cache.start(placement)  # an admission that continues nothing: auto drops replies
     cache.extend(placement.dst, 0, 30)
-    cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, preempted=True)
+    cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, resuming="seq")
     assert not cache.replies.keeps and placement.dst.cached == 30
     one_shot(cache, 1, first=1)  # another ends while replies are dropped: nothing to resume from
     assert placement.dst.cached == 30
     resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
     assert resumed.length == 29 and resumed.continues_reply  # it runs into its own output ...
-    cache.start(resumed, resumed=True)
+    cache.start(resumed, resuming="seq")
     assert not cache.replies.keeps  # ... which does not count as a reply reused
+
+
+def preempted_in_one_pool(cache):
+    """A sequence preempted after 20 prompt tokens and 10 of output while replies are dropped;
+    its slot."""
+    one_shot(cache, 1)
+    placement = cache.place([1] * 20, 19, no_live)
+    cache.start(placement)
+    cache.extend(placement.dst, 0, 30)
+    cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, resuming="seq")
+    assert not cache.replies.keeps and placement.dst.cached == 30
+    return placement.dst
+
+
+def test_a_preempted_sequence_that_ends_while_it_waits_leaves_only_what_the_rules_keep():
+    cache = PrefixCache(4, shared_cells=True)
+    slot = preempted_in_one_pool(cache)
+    assert cache.abandon("another") == [] and slot.cached == 30
+    assert cache.abandon("seq") == [KvOp("share", slot.id, slot.id, 20)]
+    assert slot.cached == 20 and slot.resuming is None
+
+
+def test_a_preempted_sequence_resumed_in_another_slot_leaves_its_old_one_to_the_rules():
+    cache = PrefixCache(4, shared_cells=True)
+    slot = preempted_in_one_pool(cache)
+    resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
+    assert resumed.src is slot
+    ops = cache.start(replace(resumed, dst=cache.slots[3]), resuming="seq")
+    assert ops == [KvOp("share", 3, slot.id, 29), KvOp("share", slot.id, slot.id, 20)]
+    assert slot.cached == 20 and slot.resuming is None
+    assert cache.cells_used == 20 + 29  # the first one-shot's prompt; the cells both share
 
 
 @pytest.mark.parametrize("mode", ["keep", "drop"])

@@ -259,6 +259,20 @@ def test_preempted_sequence_recomputes_prompt_and_output(prefix_cache):
     assert chunk.seq.token_ids(0, 13) == seq.prompt_token_ids + [7, 7, 7]
 
 
+def test_a_preempted_sequence_aborted_while_it_waits_leaves_only_what_the_rules_keep():
+    sched = make_scheduler(max_seqs=2, budget=64, kv=64, cache_replies="drop")
+    seq = make_seq(10, max_tokens=30, name="a")
+    sched.add(seq)
+    for step in range(3):
+        run_step(sched, now=step)
+    slot = sched.cache.slots[seq.seq_id]
+    sched.preempt_newest(3.0)
+    assert slot.cached == 12  # its prompt and the output it will resume from
+    assert sched.finish(seq, FINISH_ABORT, 4.0)
+    assert slot.cached == 10  # replies are dropped: its prompt only
+    assert_only_cache_left(sched)
+
+
 def test_abort_frees_exactly_once():
     sched = make_scheduler(max_seqs=2)
     running, waiting = make_seq(4, name="run"), make_seq(4, name="wait")
