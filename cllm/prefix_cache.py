@@ -209,7 +209,7 @@ class PrefixCache:
             return None
         match = self._match(tokens, limit, live_prefix)
         src = match.src
-        if src is not None and not src.live and match.length >= self.REUSE_IN_PLACE * src.cached:
+        if self._takes_over(match, tokens):
             return match
         # An empty slot first, else the least recently used one (never the source itself);
         # with split streams, before either, one that keeps the running streams together.
@@ -219,6 +219,20 @@ class PrefixCache:
         if dst is None:  # the source is the only idle slot: reuse it in place after all
             return match
         return replace(match, dst=dst)
+
+    def _takes_over(self, match: Placement, tokens: list[int]) -> bool:
+        """Whether a new sequence of `tokens` reuses its match's idle slot in place, dropping
+        the rest of it: when the match covers REUSE_IN_PLACE of the slot, or when the new prompt
+        starts with the slot's whole prompt (the same prompt again: keeping its old reply
+        aside, for a chat that might go on from it, took a second slot for every repeat, and
+        24 prompts repeating over 32 split streams then missed half their hits)."""
+        src = match.src
+        if src is None or src.live or not match.length:
+            return False
+        if match.length >= self.REUSE_IN_PLACE * src.cached:
+            return True
+        return (src.resuming is None and len(tokens) >= src.prompt_length > 0
+                and common_prefix(src.tokens, tokens) >= src.prompt_length)
 
     def _stream_runs_added(self, slot: Slot) -> int:
         """With split streams, how many more runs of consecutive live slots a sequence in

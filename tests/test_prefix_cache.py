@@ -95,6 +95,17 @@ def test_split_streams_keep_running_sequences_in_consecutive_slots(shared_cells,
     assert cache.place([9] * 8, 7, nothing_computed).dst.id == expected
 
 
+@pytest.mark.parametrize("shared_cells", [False, True])
+def test_the_same_prompt_again_takes_its_slot_in_place_though_its_reply_is_longer(shared_cells):
+    cache = PrefixCache(4, shared_cells=shared_cells)
+    first = run_sequence(cache, [5] * 10, reply=[7] * 50).dst
+    again = cache.place([5] * 10, 9, no_live)
+    assert again.dst is again.src is first and again.length == 9
+    # A prompt that has only part of it goes to another slot, which keeps the reply.
+    other = cache.place([5] * 8 + [6, 6], 9, no_live)
+    assert other.src is first and other.dst is not first and other.length == 8
+
+
 def test_reuse_in_place_trims_and_the_evicted_lru_goes_first():
     cache = PrefixCache(3, shared_cells=True)
     a, b, c = ([k] * 40 for k in (1, 2, 3))
