@@ -1,0 +1,76 @@
+"""Split KV streams: what one decode step costs when its rows sit in consecutive streams, and
+when idle streams lie between them (llama.cpp decodes each run of consecutive seq ids in a
+forward pass of its own). Through the core alone.
+
+    python bench/probe_stream_gaps.py [MODEL] [--streams N] [--threads N]"""
+import argparse
+import time
+from array import array
+
+from cllm import _core
+from cllm.models import resolve_model
+
+STEPS = 12
+CELLS_PER_STREAM = 2048
+
+
+def ints(values):
+    return array("i", values)
+
+
+class Streams:
+    """A split-KV context whose every stream holds the same short prompt."""
+
+    def __init__(self, model, n: int, threads: int) -> None:
+        self.ctx = _core.Context(model, n_ctx=n * CELLS_PER_STREAM, n_seq_max=n, n_batch=512,
+                                 n_threads=threads, kv_unified=False)
+        prompt = list(model.tokenize("The capital of France is a city that"))
+        self.ctx.step(ints(range(n)), ints([0] * n), ints([len(prompt)] * n), ints([1] * n),
+                      ints(prompt * n))
+        self.pos = [len(prompt)] * n
+
+    def decode(self, seqs: list[int]) -> None:
+        """One step: a token for each of `seqs`, sampled."""
+        rows = len(seqs)
+        self.ctx.step(ints(seqs), ints([self.pos[s] for s in seqs]), ints([1] * rows),
+                      ints([1] * rows), ints([7] * rows))
+        for s in seqs:
+            self.pos[s] += 1
+
+    def ms_per_step(self, seqs: list[int]) -> float:
+        self.decode(seqs)  # this shape's graph
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            self.decode(seqs)
+        return (time.perf_counter() - start) / STEPS * 1e3
+
+
+def cases(n: int) -> list[tuple[str, list[int]]]:
+    every = list(range(n))
+    out = [("all consecutive", every),
+           ("one gap", [s for s in every if s != n // 2]),
+           ("two gaps", [s for s in every if s not in (n // 3, 2 * n // 3)]),
+           ("half, consecutive", every[: n // 2]),
+           ("half, every other", every[::2])]
+    if n >= 32:
+        out += [("8, consecutive", every[:8]), ("8, every 4th", every[::4][:8]),
+                ("8, two runs of 4", every[:4] + every[n // 2: n // 2 + 4])]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--streams", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    model = _core.Model(resolve_model(args.model))
+    for n in args.streams:
+        streams = Streams(model, n, args.threads)
+        for name, seqs in cases(n):
+            print(f"{n} streams, {name:18s} {len(seqs):3d} rows: "
+                  f"{streams.ms_per_step(seqs):7.2f} ms a step", flush=True)
+
+
+if __name__ == "__main__":
+    main()
