@@ -189,6 +189,7 @@ class _Worker:
         self._process.start()
         child.close()
         self._ready = False
+        self._kill_lock = threading.Lock()
 
     @property
     def alive(self) -> bool:
@@ -220,9 +221,14 @@ class _Worker:
             raise _WorkerLost("the renderer died (over its memory limit?)") from None
 
     def kill(self) -> None:
-        self._process.kill()
-        self._process.join()
-        self._conn.close()
+        """Stop the process and close the pipe. Idempotent, from any thread: a server that
+        stops closes the workers while their threads may still wait for them to start."""
+        with self._kill_lock:
+            if self._conn.closed:
+                return
+            self._process.kill()
+            self._process.join()
+            self._conn.close()
 
 
 def _serve(conn, source: str | None, bos_token: str, eos_token: str, max_chars: int) -> None:
