@@ -237,8 +237,9 @@ class PrefixCache:
     def _stream_runs_added(self, slot: Slot) -> int:
         """With split streams, how many more runs of consecutive live slots a sequence in
         `slot` makes (-1, 0 or 1): llama.cpp decodes each run in a forward pass of its own, so
-        rows in scattered streams cost a pass each (8 rows in every 4th of 32 streams: 67 ms a
-        step, against 38 ms in 8 consecutive ones, 2-core AMD EPYC). In one pool, 0."""
+        rows in scattered streams cost a pass each (8 rows in every 4th of 32 streams: 77 ms a
+        step, against 46 ms in 8 consecutive ones, 2-core AVX2 AMD EPYC,
+        bench/probe_stream_gaps.py). In one pool, 0."""
         if self.shared_cells:
             return 0
         neighbours = sum(1 for i in (slot.id - 1, slot.id + 1)
@@ -275,8 +276,8 @@ class PrefixCache:
         dst.own_group = None
         dst.last_used = next(self._clock)
         ops = [op]
-        if src is not None and src is not dst and resuming is not None:
-            ops += self.abandon(resuming)  # it resumed elsewhere, sharing what it needed
+        if resuming is not None:  # its old slot, if it resumed elsewhere, goes to the rules
+            ops += self.abandon(resuming)
         self._recount()
         return ops
 

@@ -330,6 +330,15 @@ def test_a_preempted_sequence_resumed_in_another_slot_leaves_its_old_one_to_the_
     assert cache.cells_used == 20 + 29  # the first one-shot's prompt; the cells both share
 
 
+def test_a_preempted_sequence_resumed_without_the_cache_leaves_its_old_slot_to_the_rules():
+    cache = PrefixCache(4, shared_cells=True)
+    slot = preempted_in_one_pool(cache)
+    resumed = cache.place([1] * 20 + [2] * 10, 0, no_live)  # cache_prompt: false
+    assert resumed.src is None and resumed.dst is not slot
+    assert cache.start(resumed, resuming="seq")[1:] == [KvOp("share", slot.id, slot.id, 20)]
+    assert slot.cached == 20 and slot.resuming is None
+
+
 @pytest.mark.parametrize("mode", ["keep", "drop"])
 def test_a_fixed_mode_for_prompts_decides_whatever_comes_back(mode):
     cache = PrefixCache(64, shared_cells=True, prompts=mode, replies="drop")
