@@ -136,7 +136,7 @@ class TemplateRenderer:
         # Start every worker now, so no early request waits for a process to start (~0.5 s on
         # a 2-core CPU). Each start blocks its thread until ready, so each lands on its own.
         for _ in range(workers):
-            self._pool.submit(self._worker)
+            self._pool.submit(self._ready_worker)
 
     async def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         loop = asyncio.get_running_loop()
@@ -148,7 +148,7 @@ class TemplateRenderer:
             for worker in self._workers:
                 worker.kill()
 
-    def _worker(self) -> _Worker:
+    def _ready_worker(self) -> _Worker:
         """This thread's worker, started and ready."""
         worker = getattr(self._local, "worker", None)
         if worker is None or not worker.alive:
@@ -157,7 +157,7 @@ class TemplateRenderer:
         return worker
 
     def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        worker = self._worker()
+        worker = self._ready_worker()
         try:
             return worker.render(messages, tools, self.timeout)
         except _WorkerLost as exc:

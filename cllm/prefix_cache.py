@@ -312,11 +312,17 @@ class PrefixCache:
         slot.resuming = resuming
         # Its own trim always goes out: it also drops cells a decode wrote past what it computed.
         ops = [self._trim(slot, self._kept_length(slot))]
-        for other in self.idle_slots():
-            kept = self._kept_length(other)
-            if other is not slot and other.cached > kept:
-                ops.append(self._trim(other, kept))
+        ops += self._trim_to_rules(s for s in self.idle_slots() if s is not slot)
         self._recount()
+        return ops
+
+    def _trim_to_rules(self, slots) -> list[KvOp]:
+        """Idle `slots` give up the cells the retention rules no longer keep."""
+        ops = []
+        for slot in slots:
+            kept = self._kept_length(slot)
+            if slot.cached > kept:
+                ops.append(self._trim(slot, kept))
         return ops
 
     def _kept_length(self, slot: Slot) -> int:
@@ -340,13 +346,12 @@ class PrefixCache:
     def abandon(self, resuming: object) -> list[KvOp]:
         """The preempted sequence `resuming` will not resume from its slot (it ended while it
         waited, or resumed elsewhere): the slot keeps only what the retention rules keep."""
-        for slot in self.idle_slots():
-            if slot.resuming is resuming:
-                slot.resuming = None
-                op = self._trim(slot, self._kept_length(slot))
-                self._recount()
-                return [op]
-        return []
+        slots = [s for s in self.idle_slots() if s.resuming is resuming]
+        for slot in slots:
+            slot.resuming = None
+        ops = self._trim_to_rules(slots)
+        self._recount()
+        return ops
 
     def eviction_order(self, keep: Slot | None = None) -> list[Slot]:
         """Idle slots holding something, least recently used first."""

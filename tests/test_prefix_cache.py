@@ -283,32 +283,27 @@ def test_a_prompt_a_running_sequence_holds_is_no_reason_to_keep_idle_ones():
     assert not cache.place(question, 101, running).reuses_idle_prompt
 
 
-def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_back():
-    cache = PrefixCache(4, shared_cells=True)
-    one_shot(cache, 1)  # something finished: the next admission counts
-    placement = cache.place([1] * 20, 19, no_live)
-    cache.start(placement)  # an admission that continues nothing: auto drops replies
-    cache.extend(placement.dst, 0, 30)
-    cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, resuming="seq")
-    assert not cache.replies.keeps and placement.dst.cached == 30
-    one_shot(cache, 1, first=1)  # another ends while replies are dropped: nothing to resume from
-    assert placement.dst.cached == 30
-    resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
-    assert resumed.length == 29 and resumed.continues_reply  # it runs into its own output ...
-    cache.start(resumed, resuming="seq")
-    assert not cache.replies.keeps  # ... which does not count as a reply reused
-
-
 def preempted_in_one_pool(cache):
-    """A sequence preempted after 20 prompt tokens and 10 of output while replies are dropped;
-    its slot."""
-    one_shot(cache, 1)
+    """A sequence preempted after 20 prompt tokens and 10 of output while replies are dropped
+    (its admission continued nothing); its slot."""
+    one_shot(cache, 1)  # something finished: the next admission counts
     placement = cache.place([1] * 20, 19, no_live)
     cache.start(placement)
     cache.extend(placement.dst, 0, 30)
     cache.finish(placement.dst, [1] * 20 + [2] * 10, prompt_length=20, resuming="seq")
     assert not cache.replies.keeps and placement.dst.cached == 30
     return placement.dst
+
+
+def test_a_preempted_sequence_keeps_its_output_and_resuming_is_no_reply_coming_back():
+    cache = PrefixCache(4, shared_cells=True)
+    slot = preempted_in_one_pool(cache)
+    one_shot(cache, 1, first=1)  # another ends while replies are dropped: nothing to resume from
+    assert slot.cached == 30
+    resumed = cache.place([1] * 20 + [2] * 10, 29, no_live)
+    assert resumed.length == 29 and resumed.continues_reply  # it runs into its own output ...
+    cache.start(resumed, resuming="seq")
+    assert not cache.replies.keeps  # ... which does not count as a reply reused
 
 
 def test_a_preempted_sequence_that_ends_while_it_waits_leaves_only_what_the_rules_keep():
