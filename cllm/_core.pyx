@@ -339,11 +339,7 @@ cdef class Context:
         self._alloc_sequences(n_seq_max)
         cdef llama_sampler_seq_config * configs = NULL
         if backend_sampling:
-            if not kv_unified:
-                raise ValueError("backend_sampling needs the unified KV cache")
             params.n_outputs_max_per_seq = 1  # a step samples each sequence once
-            # A row's logits stay in the graph only until the next micro-batch: one per decode.
-            params.n_ubatch = params.n_batch
             configs = self._slot_samplers(n_seq_max)
             params.samplers, params.n_samplers = configs, n_seq_max
         try:
@@ -902,8 +898,7 @@ cdef class Context:
     cdef float * _host_logits(self, int n) noexcept nogil:
         """Where the logits of the step's n outputs lie on the host, row i for output i (one
         wait for the GPU: llama_get_logits_ith would synchronise once per row). With backend
-        sampling, only the rows the host samples are there, read back from the graph: their
-        token is -1 if the graph holds none (it always does with one micro-batch a decode)."""
+        sampling, only the rows the host samples are there, read back from the slot table."""
         if not self.backend_sampling:
             return llama_get_logits(self.ctx)
         llama_synchronize(self.ctx)

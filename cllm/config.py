@@ -92,9 +92,8 @@ class EngineConfig:
     # idle prompts (documents, conversations), not only from running sequences'; "keep", "drop".
     cache_prompts: str = "auto"
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
-    # travel to the host. Needs one KV pool. None: on where a GPU runs the model with one pool
-    # and n_ubatch = n_batch (on an H200 as fast or faster at 1, 8 and 64 streams), off on a
-    # CPU, where the logits are in host memory already (ARCHITECTURE.md).
+    # travel to the host. None: on where a GPU runs the model, off on a CPU, where the logits
+    # are in host memory already (ARCHITECTURE.md).
     backend_sampling: bool | None = None
     n_batch: int = 512
     # Prompt tokens a step may spend ending prompts besides the first it ends; 0: 16 on a CPU,

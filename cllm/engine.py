@@ -115,8 +115,7 @@ class Engine:
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
                                  kv_unified=self.kv_unified, aligned_prefill=aligned,
                                  backend_sampling=(
-                                     default_backend_sampling(config, self.kv_unified)
-                                     if config.backend_sampling is None
+                                     default_backend_sampling() if config.backend_sampling is None
                                      else config.backend_sampling))
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
@@ -571,11 +570,10 @@ def default_kv_unified() -> bool:
     return _core.supports_gpu_offload()
 
 
-def default_backend_sampling(config: EngineConfig, kv_unified: bool) -> bool:
-    """Whether greedy rows are sampled inside the graph when none is asked: on a GPU with one
-    pool and one micro-batch a decode (sampling in the graph would otherwise raise n_ubatch to
-    n_batch, and the compute buffers with it). ARCHITECTURE.md has the measurements."""
-    return _core.supports_gpu_offload() and kv_unified and config.n_ubatch >= config.n_batch
+def default_backend_sampling() -> bool:
+    """Whether greedy rows are sampled inside the graph when none is asked: on a GPU, where
+    the logits would otherwise travel to the host. ARCHITECTURE.md has the measurements."""
+    return _core.supports_gpu_offload()
 
 
 def _slots(n_parallel: int, kv_unified: bool) -> int:

@@ -11,8 +11,11 @@
  * cost more than the logits did (H200, bench/results/h200-slot-samplers/).
  *
  * A row that the host samples instead (temperature, penalties, log-probabilities, grammar
- * masks) reads its logits from the graph after the decode: the graph is the same whichever way
- * each row is sampled, so llama.cpp may reuse it from step to step.
+ * masks) reads its logits back after the decode from the slot's row of a second device table,
+ * where the graph copies them on the way to the argmax. The graph is then the same whichever
+ * way each row is sampled, so llama.cpp may reuse it from step to step; and a row survives
+ * the later micro-batches of its decode (split streams decode each run of sequences in a
+ * micro-batch of its own, whose graph reuses the same buffers).
  */
 #include "slot_sampler.h"
 
@@ -30,14 +33,15 @@ struct cllm_slot_table {
     int refs;
     struct ggml_context * ctx;
     ggml_backend_buffer_t buffer;
-    struct ggml_tensor * bias; /* [n_vocab, n_slots], made when llama.cpp attaches a sampler */
+    /* [n_vocab, n_slots] each, made when llama.cpp attaches a sampler */
+    struct ggml_tensor * bias;
+    struct ggml_tensor * logits; /* each slot's logits of its last output */
 };
 
 struct slot_sampler {
     struct cllm_slot_table * table;
     int32_t slot;
     int banned;
-    struct ggml_tensor * logits; /* this slot's row of logits in the graph last built */
 };
 
 struct cllm_slot_table * cllm_slot_table_new(int32_t n_vocab, int32_t n_slots, int32_t n_eog,
@@ -79,10 +83,10 @@ int cllm_slot_table_ready(const struct cllm_slot_table * t) {
     return t->bias != NULL;
 }
 
-/* The bias rows in a buffer of `buft` (the device that computes the logits), all 0. */
+/* The bias and logits rows in a buffer of `buft` (the device that computes the logits), all 0. */
 static int slot_table_alloc(struct cllm_slot_table * t, ggml_backend_buffer_type_t buft) {
     struct ggml_init_params params = {
-        /* .mem_size   = */ ggml_tensor_overhead(),
+        /* .mem_size   = */ 2 * ggml_tensor_overhead(),
         /* .mem_buffer = */ NULL,
         /* .no_alloc   = */ true,
     };
@@ -92,12 +96,15 @@ static int slot_table_alloc(struct cllm_slot_table * t, ggml_backend_buffer_type
     }
     struct ggml_tensor * bias = ggml_new_tensor_2d(t->ctx, GGML_TYPE_F32, t->n_vocab, t->n_slots);
     ggml_set_name(bias, "cllm_slot_bias");
+    struct ggml_tensor * logits = ggml_new_tensor_2d(t->ctx, GGML_TYPE_F32, t->n_vocab, t->n_slots);
+    ggml_set_name(logits, "cllm_slot_logits");
     t->buffer = ggml_backend_alloc_ctx_tensors_from_buft(t->ctx, buft);
     if (t->buffer == NULL) {
         return 0;
     }
     ggml_backend_buffer_clear(t->buffer, 0);
     t->bias = bias;
+    t->logits = logits;
     return 1;
 }
 
@@ -146,31 +153,27 @@ static bool slot_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_t
     return s->table->bias != NULL || slot_table_alloc(s->table, buft);
 }
 
+/* The table's row `slot` of `rows`, as a vector in the graph's context. */
+static struct ggml_tensor * slot_row(struct ggml_context * ctx, struct ggml_tensor * rows,
+                                     int32_t slot) {
+    return ggml_view_1d(ctx, rows, rows->ne[0], (size_t) slot * rows->nb[1]);
+}
+
 static void slot_backend_apply(struct llama_sampler * smpl, struct ggml_context * ctx,
                                struct ggml_cgraph * gf, struct llama_sampler_data * data) {
     (void) gf;
-    struct slot_sampler * s = smpl->ctx;
+    const struct slot_sampler * s = smpl->ctx;
     const struct cllm_slot_table * t = s->table;
     struct ggml_tensor * logits = data->logits;
-    /* The row is a view of the graph's logits (padded by one row); keep them after the graph
-       runs, for a host that samples this row. */
-    if (logits->view_src != NULL) {
-        ggml_set_output(logits->view_src);
-    }
-    s->logits = logits;
     if (t->bias != NULL && ggml_nelements(logits) == t->n_vocab) {  /* not llama.cpp's probe */
-        struct ggml_tensor * bias = ggml_view_1d(ctx, t->bias, t->n_vocab,
-                                                 (size_t) s->slot * t->bias->nb[1]);
-        logits = ggml_add(ctx, logits, bias);
+        /* The copy feeds the argmax, so it runs exactly when this slot has a row in the
+           micro-batch (llama.cpp builds inactive slots' branches without computing them). */
+        logits = ggml_cpy(ctx, logits, slot_row(ctx, t->logits, s->slot));
+        logits = ggml_add(ctx, logits, slot_row(ctx, t->bias, s->slot));
     }
     data->sampled = ggml_argmax(ctx, logits);
     ggml_set_name(data->sampled, "cllm_slot_argmax");
     data->logits = NULL;  /* only the token leaves the device */
-}
-
-static void slot_backend_reset(struct llama_sampler * smpl) {
-    struct slot_sampler * s = smpl->ctx;
-    s->logits = NULL;
 }
 
 static struct llama_sampler_i slot_sampler_i = {
@@ -184,7 +187,7 @@ static struct llama_sampler_i slot_sampler_i = {
     /* .backend_accept    = */ NULL,
     /* .backend_apply     = */ slot_backend_apply,
     /* .backend_set_input = */ NULL,
-    /* .backend_reset     = */ slot_backend_reset,
+    /* .backend_reset     = */ NULL,
     /* .copy_state        = */ NULL,
 };
 
@@ -226,11 +229,11 @@ void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban) {
 }
 
 int cllm_slot_sampler_read_logits(struct llama_sampler * chain, float * dst, size_t n_vocab) {
-    const struct ggml_tensor * row = slot_of(chain)->logits;
-    if (row == NULL || row->data == NULL || (size_t) ggml_nelements(row) != n_vocab
-            || (row->view_src != NULL ? row->view_src->buffer : row->buffer) == NULL) {
+    const struct slot_sampler * s = slot_of(chain);
+    const struct ggml_tensor * rows = s->table->logits;
+    if (rows == NULL || (size_t) rows->ne[0] != n_vocab) {
         return -1;
     }
-    ggml_backend_tensor_get(row, dst, 0, n_vocab * sizeof(float));
+    ggml_backend_tensor_get(rows, dst, (size_t) s->slot * rows->nb[1], n_vocab * sizeof(float));
     return 0;
 }

@@ -7,7 +7,8 @@
 
 #include "llama.h"
 
-/* What a context's slot samplers share: each slot's row of logit biases, kept on the device. */
+/* What a context's slot samplers share: each slot's row of logit biases and its last row of
+   logits, kept on the device. */
 struct cllm_slot_table;
 
 /* A table for `n_slots` slots of a `n_vocab` vocabulary whose end-of-generation tokens are the
@@ -31,8 +32,9 @@ int cllm_slot_sampler_bans_eog(struct llama_sampler * chain);
    the device row when the ban changes, so no decode may be running then. */
 void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban);
 
-/* Copy the `n_vocab` logits of this slot's row in the last decode into `dst`, for a row the host
-   samples. 0, or -1 when the last decode's graph holds no row of this size for it. */
+/* Copy the `n_vocab` logits of this slot's last output into `dst`, for a row the host samples
+   (after the decode that computed them has finished). 0, or -1 when the table has no rows of
+   this size. */
 int cllm_slot_sampler_read_logits(struct llama_sampler * chain, float * dst, size_t n_vocab);
 
 #endif

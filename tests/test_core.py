@@ -386,9 +386,35 @@ def test_rows_the_host_samples_read_their_logits_back_from_the_graph(graph_ctx, 
     assert [lp for _, lp in graph_top] == pytest.approx([lp for _, lp in host_top], abs=1e-4)
 
 
-def test_backend_sampling_needs_one_kv_pool(model):
-    with pytest.raises(ValueError, match="unified"):
-        _core.Context(model, n_ctx=4096, n_seq_max=4, kv_unified=False, backend_sampling=True)
+@pytest.mark.parametrize("layout", [{"kv_unified": False}, {"kv_unified": True, "n_ubatch": 8}],
+                         ids=["split-streams", "small-micro-batches"])
+def test_host_rows_keep_their_logits_across_the_micro_batches_of_a_decode(model, layout):
+    """A decode of non-adjacent split streams, or of a batch larger than n_ubatch, runs in
+    several micro-batches whose graphs reuse one set of buffers: the rows the host samples
+    still get their own logits, not those of a later micro-batch."""
+    graph_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, backend_sampling=True, **layout)
+    host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, **layout)
+    seq_ids = [6, 1, 4, 3]
+    kinds = [{"host_logits": True}, {}, {"temperature": 0.8, "seed": 3}, {"ban_eog": True}]
+
+    def run(context):
+        tokens = [model.tokenize(p) for p in PROMPTS[:len(seq_ids)]]
+        for seq_id, kind in zip(seq_ids, kinds):
+            context.set_sampler(seq_id, **kind)
+        rows, ones = ints(seq_ids), ints([1] * len(seq_ids))
+        first, lp = context.step(rows, ints([0] * len(seq_ids)), ints([len(t) for t in tokens]),
+                                 ones, ints([t for row in tokens for t in row]),
+                                 ints([2, -1, -1, -1]))
+        stepped = context.step(rows, ints([len(t) for t in tokens]), ones, ones, first)
+        for seq_id in seq_ids:
+            context.remove_sequence(seq_id)
+        return list(first), list(stepped), lp.row(0)
+
+    graph_first, graph_next, (graph_chosen, graph_top) = run(graph_ctx)
+    host_first, host_next, (host_chosen, host_top) = run(host_ctx)
+    assert (graph_first, graph_next) == (host_first, host_next)
+    assert [t for t, _ in graph_top] == [t for t, _ in host_top]
+    assert graph_chosen == pytest.approx(host_chosen, abs=1e-4)
 
 
 def test_a_sequence_sampled_in_the_graph_refuses_logprobs_and_bitmasks(graph_ctx, model):

@@ -272,7 +272,9 @@ async def run_tokens(engine, tokens, cache_prompt=True, **sampling):
     return text, ids, delta
 
 
-def test_sampling_in_the_graph_serves_every_kind_of_request_as_the_host_does(model_path):
+@pytest.mark.parametrize("kv_unified", [True, False], ids=["one-pool", "split-streams"])
+def test_sampling_in_the_graph_serves_every_kind_of_request_as_the_host_does(model_path,
+                                                                             kv_unified):
     """Backend sampling (the GPU default) beside requests that need host logits: greedy,
     logprobs, a grammar and a seeded sample run together and give the host's tokens."""
     def requests(eng):
@@ -288,7 +290,7 @@ def test_sampling_in_the_graph_serves_every_kind_of_request_as_the_host_does(mod
 
     results = []
     for backend_sampling in (True, False):
-        eng = Engine(EngineConfig(n_ctx=4096, n_parallel=8, n_threads=2, kv_unified=True,
+        eng = Engine(EngineConfig(n_ctx=4096, n_parallel=8, n_threads=2, kv_unified=kv_unified,
                                   backend_sampling=backend_sampling), model_path)
         try:
             assert eng.ctx.backend_sampling is backend_sampling
@@ -307,14 +309,11 @@ def test_default_kv_layout_is_split_on_a_cpu_and_one_pool_on_a_gpu(engine):
     assert engine.kv_unified is False  # the module engine asks for split explicitly
 
 
-def test_the_graph_samples_by_default_on_a_gpu_with_one_pool_and_one_micro_batch(monkeypatch):
+def test_the_graph_samples_by_default_on_a_gpu_only(monkeypatch):
     monkeypatch.setattr(_core, "supports_gpu_offload", lambda: True)
-    assert default_backend_sampling(EngineConfig(), kv_unified=True)
-    assert not default_backend_sampling(EngineConfig(), kv_unified=False)
-    # a smaller micro-batch asked for stays: sampling in the graph would make it n_batch
-    assert not default_backend_sampling(EngineConfig(n_batch=2048, n_ubatch=512), kv_unified=True)
+    assert default_backend_sampling()
     monkeypatch.setattr(_core, "supports_gpu_offload", lambda: False)
-    assert not default_backend_sampling(EngineConfig(), kv_unified=True)
+    assert not default_backend_sampling()
 
 
 def test_a_shared_prefix_is_computed_once(model_path):
