@@ -2,20 +2,27 @@
  * made, so that llama.cpp reserves its graph once (attaching one later re-reserves it: 31 ms a
  * time, measured on an H100).
  *
- * Every step, each slot's row is reduced to its argmax inside the graph, after adding the slot's
- * row of a bias table (0, or -inf at the end-of-generation tokens while the slot bans them), and
- * only that token is copied to the host. llama.cpp's own greedy sampler leaves the row's logits
- * among its outputs, so they are copied too; here they are not. The table lives in a buffer of
- * the output device, written only when a slot's ban changes: a per-step graph input instead is
- * placed on the CPU by ggml's scheduler, and copying 128 slots' inputs to the GPU every step
- * cost more than the logits did (H200, bench/results/h200-slot-samplers/).
+ * llama.cpp builds each sampler into the graph on its own row of logits. Done row by row, the
+ * greedy choice took three kernels a row (copy, bias, argmax), and 64 rows cost about as much
+ * as copying every row's logits to the host (Llama-3.2-1B shape on an H200). So the first
+ * sampler built into a graph builds it for all the micro-batch's rows at once, and each
+ * sampler's token is a view of the result:
  *
- * A row that the host samples instead (temperature, penalties, log-probabilities, grammar
- * masks) reads its logits back after the decode from the slot's row of a second device table,
- * where the graph copies them on the way to the argmax. The graph is then the same whichever
- * way each row is sampled, so llama.cpp may reuse it from step to step; and a row survives
- * the later micro-batches of its decode (split streams decode each run of sequences in a
- * micro-batch of its own, whose graph reuses the same buffers).
+ *   - the rows' logits go to their slots' rows of a device table (set_rows), where a row the
+ *     host samples instead (temperature, penalties, log-probabilities, grammar masks) reads
+ *     them back after the decode. The graph is then the same whichever way each row is
+ *     sampled, so llama.cpp may reuse it from step to step; and a row survives the later
+ *     micro-batches of its decode (split streams decode each run of adjacent sequences in one
+ *     of its own, whose graph reuses the same buffers);
+ *   - each row gets its slot's row of a bias table (0, or -inf at the end-of-generation tokens
+ *     while the slot bans them), and one argmax takes every row's token: only tokens leave the
+ *     device (llama.cpp's own greedy sampler copies the logits too).
+ *
+ * Which slot each row belongs to is the graph's one input, written by the samplers of the rows
+ * present (llama.cpp sets inputs for those only). The tables live in a buffer of the output
+ * device, written only when a slot's ban changes: per-slot graph inputs instead are placed on
+ * the CPU by ggml's scheduler, and copying 128 of them to the GPU every step cost more than
+ * the logits did (H200, bench/results/h200-slot-samplers/).
  */
 #include "slot_sampler.h"
 
@@ -36,11 +43,15 @@ struct cllm_slot_table {
     /* [n_vocab, n_slots] each, made when llama.cpp attaches a sampler */
     struct ggml_tensor * bias;
     struct ggml_tensor * logits; /* each slot's logits of its last output */
+    /* The graph being built or run: each row's slot (its input) and each row's token. */
+    struct ggml_tensor * row_slots;
+    struct ggml_tensor * tokens;
 };
 
 struct slot_sampler {
     struct cllm_slot_table * table;
     int32_t slot;
+    int32_t row; /* its row in the graph last built, when it has one there */
     int banned;
 };
 
@@ -153,27 +164,56 @@ static bool slot_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_t
     return s->table->bias != NULL || slot_table_alloc(s->table, buft);
 }
 
-/* The table's row `slot` of `rows`, as a vector in the graph's context. */
-static struct ggml_tensor * slot_row(struct ggml_context * ctx, struct ggml_tensor * rows,
-                                     int32_t slot) {
-    return ggml_view_1d(ctx, rows, rows->ne[0], (size_t) slot * rows->nb[1]);
+/* Every row's token for the graph whose logits (padded by one row) are `padded`: their logits
+   stored in their slots' rows of the logits table, their slots' bias added, the argmax taken. */
+static struct ggml_tensor * rows_tokens(struct cllm_slot_table * t, struct ggml_context * ctx,
+                                        struct ggml_cgraph * gf, struct ggml_tensor * padded) {
+    const int64_t n_rows = padded->ne[1] - 1;
+    struct ggml_tensor * rows = ggml_view_2d(ctx, padded, padded->ne[0], n_rows, padded->nb[1], 0);
+    t->row_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+    ggml_set_name(t->row_slots, "cllm_row_slots");
+    ggml_set_input(t->row_slots);
+    /* The store runs in every graph that has rows: a sampler of one of them is active. */
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, t->logits, rows, t->row_slots));
+    struct ggml_tensor * biased = ggml_add(ctx, rows, ggml_get_rows(ctx, t->bias, t->row_slots));
+    t->tokens = ggml_argmax(ctx, biased);
+    ggml_set_name(t->tokens, "cllm_rows_argmax");
+    return t->tokens;
 }
 
 static void slot_backend_apply(struct llama_sampler * smpl, struct ggml_context * ctx,
                                struct ggml_cgraph * gf, struct llama_sampler_data * data) {
-    (void) gf;
-    const struct slot_sampler * s = smpl->ctx;
-    const struct cllm_slot_table * t = s->table;
+    struct slot_sampler * s = smpl->ctx;
+    struct cllm_slot_table * t = s->table;
     struct ggml_tensor * logits = data->logits;
-    if (t->bias != NULL && ggml_nelements(logits) == t->n_vocab) {  /* not llama.cpp's probe */
-        /* The copy feeds the argmax, so it runs exactly when this slot has a row in the
-           micro-batch (llama.cpp builds inactive slots' branches without computing them). */
-        logits = ggml_cpy(ctx, logits, slot_row(ctx, t->logits, s->slot));
-        logits = ggml_add(ctx, logits, slot_row(ctx, t->bias, s->slot));
+    struct ggml_tensor * padded = logits->view_src;
+    if (t->bias == NULL || ggml_nelements(logits) != t->n_vocab || padded == NULL
+            || padded->ne[0] != t->n_vocab || padded->ne[1] < 2) {  /* not a decode's rows */
+        data->sampled = ggml_argmax(ctx, logits);
+        return;
     }
-    data->sampled = ggml_argmax(ctx, logits);
-    ggml_set_name(data->sampled, "cllm_slot_argmax");
+    struct ggml_tensor * tokens = t->tokens != NULL ? t->tokens : rows_tokens(t, ctx, gf, padded);
+    s->row = (int32_t) (logits->view_offs / padded->nb[1]);
+    data->sampled = ggml_view_1d(ctx, tokens, 1, (size_t) s->row * tokens->nb[0]);
+    ggml_set_name(data->sampled, "cllm_slot_token");
     data->logits = NULL;  /* only the token leaves the device */
+}
+
+/* Before each graph is built (for every sampler): the next one builds the rows' tokens anew. */
+static void slot_backend_reset(struct llama_sampler * smpl) {
+    struct slot_sampler * s = smpl->ctx;
+    s->table->row_slots = NULL;
+    s->table->tokens = NULL;
+}
+
+/* Before each run of the graph, for the samplers with a row in it: which slot that row is. */
+static void slot_backend_set_input(struct llama_sampler * smpl) {
+    const struct slot_sampler * s = smpl->ctx;
+    const struct ggml_tensor * row_slots = s->table->row_slots;
+    if (row_slots != NULL && s->row < row_slots->ne[0]) {
+        ggml_backend_tensor_set((struct ggml_tensor *) row_slots, &s->slot,
+                                (size_t) s->row * sizeof(int32_t), sizeof(int32_t));
+    }
 }
 
 static struct llama_sampler_i slot_sampler_i = {
@@ -186,8 +226,8 @@ static struct llama_sampler_i slot_sampler_i = {
     /* .backend_init      = */ slot_backend_init,
     /* .backend_accept    = */ NULL,
     /* .backend_apply     = */ slot_backend_apply,
-    /* .backend_set_input = */ NULL,
-    /* .backend_reset     = */ NULL,
+    /* .backend_set_input = */ slot_backend_set_input,
+    /* .backend_reset     = */ slot_backend_reset,
     /* .copy_state        = */ NULL,
 };
 
