@@ -209,14 +209,19 @@ class PrefixCache:
             return None
         match = self._match(tokens, limit, live_prefix)
         src = match.src
-        if self._takes_over(match, tokens):
-            return match
         # An empty slot first, else the least recently used one (never the source itself);
         # with split streams, before either, one that keeps the running streams together.
         dst = min((s for s in idle if s is not src),
                   key=lambda s: (self._stream_runs_added(s), s.cached > 0, s.last_used),
                   default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
+            return match
+        # A slot apart from the running streams is not taken over: its prefix is copied next to
+        # them. An extra run costs a forward pass every step of the sequence; the copy, once
+        # (on an H200, 8 streams of repeated prompts taken over where they lay decoded at 88
+        # tokens/s each against ~500 together; bench/results/h200-split-sampling/).
+        if self._takes_over(match, tokens) and (
+                self._stream_runs_added(src) <= self._stream_runs_added(dst)):
             return match
         return replace(match, dst=dst)
 

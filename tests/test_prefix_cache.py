@@ -106,6 +106,31 @@ def test_the_same_prompt_again_takes_its_slot_in_place_though_its_reply_is_longe
     assert other.src is first and other.dst is not first and other.length == 8
 
 
+def test_split_streams_copy_a_prompt_next_to_the_running_ones_rather_than_take_its_slot_apart():
+    """The same prompt again would take its idle slot over in place (the test above), but with
+    split streams a slot away from the running sequences would cost a forward pass of its own
+    every step: its prefix is copied into a slot beside them instead."""
+    cache = PrefixCache(8, shared_cells=False)
+    prompts = [[k] * 10 for k in range(1, 6)]
+    for prompt in prompts:  # five idle slots 0..4, each holding its prompt
+        run_sequence(cache, prompt, computed=10, reply=[7] * 20)
+    first = cache.place(prompts[0], 9, nothing_computed)
+    cache.start(first)
+    assert first.dst is first.src and first.dst.id == 0  # nothing runs yet: in place
+    again = cache.place(prompts[3], 9, nothing_computed)
+    assert again.src.id == 3 and again.length == 9
+    assert again.dst.id == 1  # beside slot 0, not slot 3 alone
+    cache.start(again)
+    third = cache.place(prompts[2], 9, nothing_computed)
+    assert third.src.id == third.dst.id == 2  # its own slot is beside the run 0-1 already
+    # One pool has no runs: the same prompt takes its own slot over.
+    pool = PrefixCache(8, shared_cells=True)
+    for prompt in prompts:
+        run_sequence(pool, prompt, computed=10, reply=[7] * 20)
+    pool.start(pool.place(prompts[0], 9, nothing_computed))
+    assert pool.place(prompts[3], 9, nothing_computed).dst.id == 3
+
+
 def test_reuse_in_place_trims_and_the_evicted_lru_goes_first():
     cache = PrefixCache(3, shared_cells=True)
     a, b, c = ([k] * 40 for k in (1, 2, 3))
