@@ -1,6 +1,7 @@
 """Split KV streams: what one decode step costs when its rows sit in consecutive streams, and
 when idle streams lie between them (llama.cpp decodes each run of consecutive seq ids in a
-forward pass of its own). Through the core alone.
+forward pass of its own); and what copying a stream into another adds to the step after it (the
+prefix cache's alternative to a gap). Through the core alone.
 
     python bench/probe_stream_gaps.py [MODEL] [--streams N] [--threads N]"""
 import argparse
@@ -45,6 +46,19 @@ class Streams:
         return (time.perf_counter() - start) / STEPS * 1e3
 
 
+    def ms_after_copy(self, src: int, dst: int) -> float:
+        """A one-row step of `dst` right after `src`'s prompt was shared into it (llama.cpp
+        copies the whole stream at that decode)."""
+        total = 0.0
+        for _ in range(STEPS):
+            start = time.perf_counter()
+            self.ctx.share_prefix(dst, src, self.pos[src] - 1)
+            self.pos[dst] = self.pos[src] - 1
+            self.decode([dst])
+            total += time.perf_counter() - start
+        return total / STEPS * 1e3
+
+
 def cases(n: int) -> list[tuple[str, list[int]]]:
     every = list(range(n))
     out = [("all consecutive", every),
@@ -70,6 +84,9 @@ def main() -> None:
         for name, seqs in cases(n):
             print(f"{n} streams, {name:18s} {len(seqs):3d} rows: "
                   f"{streams.ms_per_step(seqs):7.2f} ms a step", flush=True)
+        print(f"{n} streams, one row {streams.ms_per_step([1]):7.2f} ms a step; after a copy "
+              f"of stream {n - 1} into it {streams.ms_after_copy(n - 1, 1):7.2f} ms "
+              f"({CELLS_PER_STREAM} cells a stream)", flush=True)
 
 
 if __name__ == "__main__":

@@ -216,12 +216,15 @@ class PrefixCache:
                   default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
             return match
-        # A slot apart from the running streams is not taken over: its prefix is copied next to
-        # them. An extra run costs a forward pass every step of the sequence; the copy, once
-        # (on an H200, 8 streams of repeated prompts taken over where they lay decoded at 88
-        # tokens/s each against ~500 together; bench/results/h200-split-sampling/).
-        if self._takes_over(match, tokens) and (
-                self._stream_runs_added(src) <= self._stream_runs_added(dst)):
+        # A slot apart from the running streams is not taken over where a slot beside them is
+        # idle: the prefix is copied there. An extra run costs a forward pass every step of
+        # the sequence; the copy, once (on an H200, 8 streams of repeated prompts taken over
+        # where they lay decoded at 88 tokens/s each against ~500 together). Only then: a copy
+        # evicts what its slot held, and copying whenever the target merely closed a gap sent
+        # 64 conversations into each other's slots (cached share 88% -> 38%, same machine;
+        # bench/results/h200-split-sampling/).
+        if self._takes_over(match, tokens) and not (
+                self._stream_runs_added(src) > 0 >= self._stream_runs_added(dst)):
             return match
         return replace(match, dst=dst)
 

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from cllm.prefix_cache import KvOp, PrefixCache, Retention, common_prefix
+from cllm.prefix_cache import KvOp, Placement, PrefixCache, Retention, common_prefix
 
 
 def no_live(slot):
@@ -129,6 +129,21 @@ def test_split_streams_copy_a_prompt_next_to_the_running_ones_rather_than_take_i
         run_sequence(pool, prompt, computed=10, reply=[7] * 20)
     pool.start(pool.place(prompts[0], 9, nothing_computed))
     assert pool.place(prompts[3], 9, nothing_computed).dst.id == 3
+
+
+def test_split_streams_take_over_a_slot_beside_a_running_one_rather_than_evict_a_gap():
+    """A conversation whose slot touches a running stream continues there, though copying it
+    into a gap between two runs would join them: that copy would evict the gap's own
+    conversation (64 conversations over 64 streams then kept evicting each other)."""
+    cache = PrefixCache(8, shared_cells=False)
+    chats = [[k] * 10 for k in range(1, 7)]
+    for chat in chats:  # idle slots 0..5, each holding its conversation
+        run_sequence(cache, chat, computed=10, reply=[7] * 20)
+    for slot_id in (0, 1, 3):  # other sequences run in slots 0, 1 and 3
+        cache.start(Placement(cache.slots[slot_id], None, 0))
+    turn = cache.place(chats[4] + [7] * 20 + [8] * 5, 30, nothing_computed)
+    assert turn.dst is turn.src and turn.dst.id == 4 and turn.length == 30
+    assert cache.slots[2].tokens[:10] == chats[2]  # the gap keeps its conversation
 
 
 def test_reuse_in_place_trims_and_the_evicted_lru_goes_first():
