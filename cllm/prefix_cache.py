@@ -209,22 +209,15 @@ class PrefixCache:
             return None
         match = self._match(tokens, limit, live_prefix)
         src = match.src
+        if self._takes_over(match, tokens):
+            beside = self._slot_beside_runs(idle, src) if self._stream_runs_added(src) > 0 else None
+            return match if beside is None else replace(match, dst=beside)
         # An empty slot first, else the least recently used one (never the source itself);
         # with split streams, before either, one that keeps the running streams together.
         dst = min((s for s in idle if s is not src),
                   key=lambda s: (self._stream_runs_added(s), s.cached > 0, s.last_used),
                   default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
-            return match
-        # A slot apart from the running streams is not taken over where a slot beside them is
-        # idle: the prefix is copied there. An extra run costs a forward pass every step of
-        # the sequence; the copy, once (on an H200, 8 streams of repeated prompts taken over
-        # where they lay decoded at 88 tokens/s each against ~500 together). Only then: a copy
-        # evicts what its slot held, and copying whenever the target merely closed a gap sent
-        # 64 conversations into each other's slots (cached share 88% -> 38%, same machine;
-        # bench/results/h200-split-sampling/).
-        if self._takes_over(match, tokens) and not (
-                self._stream_runs_added(src) > 0 >= self._stream_runs_added(dst)):
             return match
         return replace(match, dst=dst)
 
@@ -241,6 +234,29 @@ class PrefixCache:
             return True
         return (src.resuming is None and len(tokens) >= src.prompt_length > 0
                 and common_prefix(src.tokens, tokens) >= src.prompt_length)
+
+    def _slot_beside_runs(self, idle: list[Slot], src: Slot) -> Slot | None:
+        """Where a sequence that would take over `src`, a slot apart from the running streams,
+        goes instead: an idle slot where it joins a run, if one holds nothing that no other
+        idle slot holds too (its prefix is copied there). An extra run costs a forward pass
+        every step of the sequence, the copy one step's worth (on an H200, 8 streams of
+        repeated prompts taken over where they lay decoded at 88 tokens/s each against ~500
+        together). A copy that evicts a conversation costs that conversation's next turn: with
+        any slot beside the runs allowed, 64 conversations over 64 streams evicted each other
+        (88% of prompt tokens cached -> 38-57%; bench/results/h200-split-sampling/)."""
+        beside = [s for s in idle if s is not src and self._stream_runs_added(s) <= 0
+                  and self._holds_nothing_alone(s, idle)]
+        return min(beside, key=lambda s: (self._stream_runs_added(s), s.cached > 0, s.last_used),
+                   default=None)
+
+    @staticmethod
+    def _holds_nothing_alone(slot: Slot, idle: list[Slot]) -> bool:
+        """Whether evicting idle `slot` loses nothing: it holds no cells, or another idle slot
+        holds its cached tokens too (a copy of the same prompt)."""
+        held = slot.tokens[:slot.cached]
+        return not held or any(
+            other is not slot and other.cached >= len(held)
+            and common_prefix(other.tokens, held) == len(held) for other in idle)
 
     def _stream_runs_added(self, slot: Slot) -> int:
         """With split streams, how many more runs of consecutive live slots a sequence in

@@ -109,26 +109,47 @@ def test_the_same_prompt_again_takes_its_slot_in_place_though_its_reply_is_longe
 def test_split_streams_copy_a_prompt_next_to_the_running_ones_rather_than_take_its_slot_apart():
     """The same prompt again would take its idle slot over in place (the test above), but with
     split streams a slot away from the running sequences would cost a forward pass of its own
-    every step: its prefix is copied into a slot beside them instead."""
+    every step: its prefix is copied into a free slot beside them instead, and never into one
+    holding something no other slot holds."""
     cache = PrefixCache(8, shared_cells=False)
     prompts = [[k] * 10 for k in range(1, 6)]
-    for prompt in prompts:  # five idle slots 0..4, each holding its prompt
+    for prompt in prompts:  # idle slots 0..4, each holding its prompt
         run_sequence(cache, prompt, computed=10, reply=[7] * 20)
+    cache.evict(cache.slots[1])
     first = cache.place(prompts[0], 9, nothing_computed)
     cache.start(first)
     assert first.dst is first.src and first.dst.id == 0  # nothing runs yet: in place
     again = cache.place(prompts[3], 9, nothing_computed)
     assert again.src.id == 3 and again.length == 9
-    assert again.dst.id == 1  # beside slot 0, not slot 3 alone
+    assert again.dst.id == 1  # the empty slot beside slot 0, not slot 3 alone
     cache.start(again)
     third = cache.place(prompts[2], 9, nothing_computed)
     assert third.src.id == third.dst.id == 2  # its own slot is beside the run 0-1 already
+    cache.start(third)
+    # Slot 4 lies apart (3 and 5 idle); slot 3, beside the run, holds the only idle copy of
+    # prompt 4: slot 4 is taken over after all.
+    fourth = cache.place(prompts[4], 9, nothing_computed)
+    assert fourth.src.id == fourth.dst.id == 4
     # One pool has no runs: the same prompt takes its own slot over.
     pool = PrefixCache(8, shared_cells=True)
     for prompt in prompts:
         run_sequence(pool, prompt, computed=10, reply=[7] * 20)
     pool.start(pool.place(prompts[0], 9, nothing_computed))
     assert pool.place(prompts[3], 9, nothing_computed).dst.id == 3
+
+
+def test_split_streams_copy_beside_the_runs_over_a_prompt_another_slot_holds_too():
+    cache = PrefixCache(8, shared_cells=False)
+    a, b, c = [1] * 10, [2] * 10, [3] * 10
+    for slot_id, tokens in ((0, a), (2, a), (4, c), (5, b)):
+        slot = cache.slots[slot_id]
+        cache.start(Placement(slot, None, 0))
+        cache.extend(slot, 0, 10)
+        cache.finish(slot, tokens)
+    cache.start(Placement(cache.slots[3], None, 0))  # a sequence runs in slot 3
+    again = cache.place(b, 9, nothing_computed)  # slot 5 lies apart: 4 and 6 are idle
+    assert again.src.id == 5 and again.dst.id == 2  # slot 2's prompt is in slot 0 too
+    assert cache.slots[4].tokens == c  # the only copy of c stays
 
 
 def test_split_streams_take_over_a_slot_beside_a_running_one_rather_than_evict_a_gap():
