@@ -42,9 +42,7 @@ OPTIONS = {
                    "default: split on a CPU, one pool on a GPU)"),
     "backend_sampling": (_flag, _ENGINE.backend_sampling,
                          "sample greedy requests inside llama.cpp's graph on the device, so their "
-                         "logits never reach the host; needs one KV pool and makes the "
-                         "micro-batch the batch (default: on a GPU with one pool and equal "
-                         "sizes, off on a CPU)"),
+                         "logits never reach the host (default: on a GPU, off on a CPU)"),
     "prefix_cache": (_flag, _ENGINE.prefix_cache,
                      "start requests from cached KV of the prompt prefixes they share"),
     "cache_replies": (str, _ENGINE.cache_replies,
