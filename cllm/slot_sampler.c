@@ -209,10 +209,10 @@ static void slot_backend_reset(struct llama_sampler * smpl) {
 /* Before each run of the graph, for the samplers with a row in it: which slot that row is. */
 static void slot_backend_set_input(struct llama_sampler * smpl) {
     const struct slot_sampler * s = smpl->ctx;
-    const struct ggml_tensor * row_slots = s->table->row_slots;
+    struct ggml_tensor * row_slots = s->table->row_slots;
     if (row_slots != NULL && s->row < row_slots->ne[0]) {
-        ggml_backend_tensor_set((struct ggml_tensor *) row_slots, &s->slot,
-                                (size_t) s->row * sizeof(int32_t), sizeof(int32_t));
+        ggml_backend_tensor_set(row_slots, &s->slot, (size_t) s->row * sizeof(int32_t),
+                                sizeof(int32_t));
     }
 }
 
