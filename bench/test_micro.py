@@ -65,6 +65,27 @@ def test_core_decode_step(benchmark, ctx, model, n_seqs):
     _bench_decode_steps(benchmark, ctx, model, n_seqs, rounds=30)
 
 
+def test_decode_step_over_a_shared_document(benchmark, model):
+    """One step of 8 sequences over one 1,400-token document, each in a split stream of its
+    own (the CPU default layout): attention over long contexts, where ggml's CPU flash
+    attention (vendor/patches/) takes most of the step."""
+    ctx = _core.Context(model, n_ctx=8 * 2048, n_seq_max=8, n_batch=512, kv_unified=False)
+    document = model.tokenize("The harbour master kept careful records of every ship. " * 140)[:1400]
+    for start in range(0, len(document), 512):
+        chunk = document[start:start + 512]
+        last = ctx.step(ints([0]), ints([start]), ints([len(chunk)]), ints([1]), ints(chunk))
+    for s in range(1, 8):
+        ctx.share_prefix(s, 0, len(document))
+    state = {"pos": [len(document)] * 8, "last": array("i", [last[0]] * 8)}
+
+    def step():
+        state["last"] = ctx.step(ints(range(8)), ints(state["pos"]), ints([1] * 8),
+                                 ints([1] * 8), state["last"])
+        state["pos"] = [p + 1 for p in state["pos"]]
+
+    benchmark.pedantic(step, rounds=20, warmup_rounds=2)
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0},
                                       {"temperature": 0.8, "top_p": 0.9, "seed": 1}],
                          ids=["greedy", "top_p"])
