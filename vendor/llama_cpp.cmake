@@ -125,11 +125,23 @@ message(STATUS "cllm: llama.cpp ${CLLM_LLAMA_COMMIT} from ${CLLM_LLAMA_DIR}")
 file(GLOB CLLM_LLAMA_PATCHES "${CMAKE_CURRENT_LIST_DIR}/patches/*.patch")
 set(_cllm_patched_tree "${CMAKE_BINARY_DIR}/llama.cpp-patched")
 
-function(_cllm_patch_files out_files)
+# The command that applies a patch in the current directory: `patch`, else `git apply` kept
+# from finding the repository around the build directory.
+function(_cllm_patch_command out)
     find_program(CLLM_PATCH_PROGRAM patch)
-    if(NOT CLLM_PATCH_PROGRAM)
-        message(FATAL_ERROR "cllm: the `patch` program applies vendor/patches: install it (e.g. apt-get install patch)")
+    find_package(Git QUIET)
+    if(CLLM_PATCH_PROGRAM)
+        set(${out} "${CLLM_PATCH_PROGRAM}" -p1 --forward --batch --input PARENT_SCOPE)
+    elseif(GIT_EXECUTABLE)
+        set(${out} ${CMAKE_COMMAND} -E env "GIT_CEILING_DIRECTORIES=${CMAKE_BINARY_DIR}"
+            "${GIT_EXECUTABLE}" apply -p1 PARENT_SCOPE)
+    else()
+        message(FATAL_ERROR "cllm: applying vendor/patches needs `patch` or `git`: install one (e.g. apt-get install patch)")
     endif()
+endfunction()
+
+function(_cllm_patch_files out_files)
+    _cllm_patch_command(_apply)
     set(_staging "${_cllm_patched_tree}.staging")
     file(REMOVE_RECURSE "${_staging}")
     set(_files "")
@@ -143,8 +155,8 @@ function(_cllm_patch_files out_files)
             endif()
             list(APPEND _files "${_rel}")
         endforeach()
-        execute_process(COMMAND "${CLLM_PATCH_PROGRAM}" -p1 --forward --batch --input "${_patch}"
-            WORKING_DIRECTORY "${_staging}" RESULT_VARIABLE _rc OUTPUT_VARIABLE _log ERROR_VARIABLE _log)
+        execute_process(COMMAND ${_apply} "${_patch}" WORKING_DIRECTORY "${_staging}"
+            RESULT_VARIABLE _rc OUTPUT_VARIABLE _log ERROR_VARIABLE _log)
         if(NOT _rc EQUAL 0)
             message(FATAL_ERROR "cllm: ${_patch} does not apply to llama.cpp ${CLLM_LLAMA_COMMIT}:\n${_log}")
         endif()
