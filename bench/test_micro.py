@@ -48,7 +48,12 @@ def _running(ctx, model, n_seqs, **sampling):
 
 
 def _bench_decode_steps(benchmark, ctx, model, n_seqs, rounds, **sampling):
-    positions, last = _running(ctx, model, n_seqs, **sampling)
+    _bench_steps_from(benchmark, ctx, *_running(ctx, model, n_seqs, **sampling), rounds)
+
+
+def _bench_steps_from(benchmark, ctx, positions, last, rounds):
+    """Decode steps of sequences 0..n-1, each at `positions[i]` after token `last[i]`."""
+    n_seqs = len(positions)
     state = {"pos": positions, "last": last}
 
     def step():
@@ -76,14 +81,7 @@ def test_decode_step_over_a_shared_document(benchmark, model):
         last = ctx.step(ints([0]), ints([start]), ints([len(chunk)]), ints([1]), ints(chunk))
     for s in range(1, 8):
         ctx.share_prefix(s, 0, len(document))
-    state = {"pos": [len(document)] * 8, "last": array("i", [last[0]] * 8)}
-
-    def step():
-        state["last"] = ctx.step(ints(range(8)), ints(state["pos"]), ints([1] * 8),
-                                 ints([1] * 8), state["last"])
-        state["pos"] = [p + 1 for p in state["pos"]]
-
-    benchmark.pedantic(step, rounds=20, warmup_rounds=2)
+    _bench_steps_from(benchmark, ctx, [len(document)] * 8, ints([last[0]] * 8), rounds=20)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0},
