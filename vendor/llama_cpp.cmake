@@ -122,7 +122,7 @@ message(STATUS "cllm: llama.cpp ${CLLM_LLAMA_COMMIT} from ${CLLM_LLAMA_DIR}")
 # Patches to the pinned tree (vendor/patches/*.patch, each says why at its top). The cached tree
 # stays as released: the benchmark builds its llama-server from it. The files a patch touches are
 # copied into the build directory, patched there, and compiled in place of the originals.
-file(GLOB CLLM_LLAMA_PATCHES "${CMAKE_CURRENT_LIST_DIR}/patches/*.patch")
+file(GLOB CLLM_LLAMA_PATCHES CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/patches/*.patch")
 set(_cllm_patched_tree "${CMAKE_BINARY_DIR}/llama.cpp-patched")
 
 # The command that applies a patch in the current directory: `patch`, else `git apply` kept
