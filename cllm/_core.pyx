@@ -310,6 +310,13 @@ cdef class Context:
     cdef readonly int n_ctx, n_ctx_seq, n_seq_max, n_batch, n_vocab
     cdef readonly int mask_words  # uint32 words of one token bitmask: a bit per vocabulary entry
     cdef readonly bint kv_unified, aligned_prefill, backend_sampling
+    # Split streams: a decode run's step fills a gap of up to this many idle streams between
+    # its rows with a placeholder row each (see _fill_gaps); 0: never.
+    cdef readonly int max_stream_gap
+    cdef int n_ubatch
+    cdef int * gap_seq  # this step's placeholder rows: sequence and position, to remove after
+    cdef llama_pos * gap_pos
+    cdef int n_gap
     cdef volatile int _interrupted  # set from any thread: a decode run stops after its step
     # During a decode run with constrained rows: decode_run's after_step, the array it reads
     # (each row's token if it goes on, else -1) and what it raised.
@@ -319,13 +326,16 @@ cdef class Context:
     # Seconds decode runs spent in llama_decode, in after_step (the GIL included) and sampling,
     # and their steps; read by run_timing().
     cdef double _t_decode, _t_after_step, _t_sample
-    cdef long _t_steps
+    cdef long _t_steps, _t_gap_rows
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
                   int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True,
-                  bint aligned_prefill=False, bint backend_sampling=False):
+                  bint aligned_prefill=False, bint backend_sampling=False,
+                  int max_stream_gap=0):
         if n_seq_max < 1 or n_ctx < 1 or n_batch < 1 or n_ubatch < 1:
             raise ValueError("n_ctx, n_seq_max, n_batch and n_ubatch must be positive")
+        if max_stream_gap < 0:
+            raise ValueError("max_stream_gap must not be negative")
         if flash_attn not in _FLASH_ATTN:
             raise ValueError(f"flash_attn must be one of {sorted(_FLASH_ATTN)}")
         cdef llama_context_params params = llama_context_default_params()
@@ -355,7 +365,12 @@ cdef class Context:
         self.kv_unified = kv_unified
         self.aligned_prefill = aligned_prefill and not kv_unified
         self.backend_sampling = backend_sampling
+        # A placeholder row's cell would count against its stream's sliding window, where
+        # llama.cpp may then reuse a cell the stream's cached prompt still needs.
+        self.max_stream_gap = (0 if kv_unified or llama_model_n_swa(model.model) > 0
+                               else max_stream_gap)
         self.n_batch = llama_n_batch(self.ctx)
+        self.n_ubatch = llama_n_ubatch(self.ctx)
         self.n_vocab = model.n_vocab
         self.mask_words = (self.n_vocab + 31) // 32
         self.n_threads = llama_n_threads(self.ctx)
@@ -367,11 +382,14 @@ cdef class Context:
         self.out_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
         self.candidates = <llama_token_data *> malloc(self.n_vocab * sizeof(llama_token_data))
+        self.gap_seq = <int *> malloc(n_seq_max * sizeof(int))
+        self.gap_pos = <llama_pos *> malloc(n_seq_max * sizeof(llama_pos))
         if backend_sampling:  # a step has at most one output per sequence
             self.host_logits = <float *> malloc(<size_t> n_seq_max * self.n_vocab * sizeof(float))
         if (self.out_seq is NULL or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
                 or self.out_mask is NULL or self.candidates is NULL
+                or self.gap_seq is NULL or self.gap_pos is NULL
                 or (backend_sampling and self.host_logits is NULL)):
             raise MemoryError()
 
@@ -436,6 +454,8 @@ cdef class Context:
         free(<void *> self.out_mask)
         free(self.out_tokens)
         free(self.candidates)
+        free(self.gap_seq)
+        free(self.gap_pos)
         free(self.host_logits)
         if self.batch.token is not NULL:
             llama_batch_free(self.batch)
@@ -715,13 +735,15 @@ cdef class Context:
     def run_timing(self):
         """Mean milliseconds per step of the decode runs since the last call: in llama_decode
         (on a GPU: building and launching the step), in after_step (the GIL included), and
-        sampling (on a GPU: waiting for the step first), and how many steps."""
+        sampling (on a GPU: waiting for the step first), how many steps, and the placeholder
+        rows a step carried in the gaps between split streams (gap_rows)."""
         steps = max(1, self._t_steps)
         timing = {"steps": self._t_steps, "decode_ms": 1000 * self._t_decode / steps,
                   "after_step_ms": 1000 * self._t_after_step / steps,
-                  "sample_ms": 1000 * self._t_sample / steps}
+                  "sample_ms": 1000 * self._t_sample / steps,
+                  "gap_rows": self._t_gap_rows / steps}
         self._t_decode = self._t_after_step = self._t_sample = 0
-        self._t_steps = 0
+        self._t_steps = self._t_gap_rows = 0
         return timing
 
     def interrupt(self):
@@ -759,19 +781,15 @@ cdef class Context:
             for r in range(n_rows):
                 if not ended[r] and self._continues(tokens + r * n_steps, counts[r], budgets[r]):
                     rows[n] = <int> r
-                    self.batch.token[n] = (last_tokens[r] if counts[r] == 0
-                                           else tokens[r * n_steps + counts[r] - 1])
-                    self.batch.pos[n] = positions[r] + counts[r]
-                    self.batch.n_seq_id[n] = 1
-                    self.batch.seq_id[n][0] = seq_ids[r]
-                    self.batch.logits[n] = 1
                     n += 1
             if n == 0 or (step > 0 and self._interrupted):
                 break
-            self.batch.n_tokens = <int32_t> n
+            self._batch_run_step(n, rows, seq_ids, positions, last_tokens, tokens, counts,
+                                 n_steps)
             t0 = _now()
             rc = llama_decode(self.ctx, self.batch)
             self._t_decode += _now() - t0
+            self._remove_gap_rows()
             if rc != 0:
                 self._forget_step(n, rows, seq_ids, positions, counts)
                 break
@@ -787,7 +805,6 @@ cdef class Context:
             for i in range(n):
                 r = rows[i]
                 self.out_seq[i] = seq_ids[r]
-                self.out_idx[i] = <int32_t> i
                 self.out_mask[i] = NULL
                 if masks != NULL and row_masks[r] >= 0:
                     self.out_mask[i] = masks + <size_t> row_masks[r] * self.mask_words
@@ -813,6 +830,65 @@ cdef class Context:
         free(sampled)
         free(ended)
         return rc
+
+    cdef void _batch_run_step(self, int n, const int * rows, const int[::1] seq_ids,
+                              const int[::1] positions, const int[::1] last_tokens,
+                              const int * tokens, const int * counts,
+                              int n_steps) noexcept nogil:
+        """The batch of a run's step: row rows[i]'s next token at batch index out_idx[i], and
+        between rows, the placeholder rows of the gaps _fill_gap fills."""
+        cdef int i, r, b = 0
+        self.n_gap = 0
+        for i in range(n):
+            r = rows[i]
+            if i > 0:
+                b = self._fill_gap(b, seq_ids[rows[i - 1]], seq_ids[r], n - i)
+            self._put(b, last_tokens[r] if counts[r] == 0 else tokens[r * n_steps + counts[r] - 1],
+                      positions[r] + counts[r], seq_ids[r], True)
+            self.out_idx[i] = b
+            b += 1
+        self.batch.n_tokens = b
+        self._t_gap_rows += self.n_gap
+
+    cdef int _fill_gap(self, int b, int lo, int hi, int rows_left) noexcept nogil:
+        """From batch index b, a placeholder row (no output) for each idle stream between
+        sequences lo and hi, when there are at most max_stream_gap of them, each has a free
+        cell, and the batch stays one micro-batch with the rows_left still to come; returns the
+        next batch index. llama.cpp decodes split streams in micro-batches of consecutive seq
+        ids, each a forward pass of its own, and reuses a pass's graph only for the same
+        streams: on a GPU each extra pass cost ~2.5 ms a step, where a row costs ~0.1 ms
+        (ARCHITECTURE.md, "Scattered split streams"). _remove_gap_rows takes the cells back."""
+        cdef int g, gap = hi - lo - 1
+        cdef llama_memory_t mem = llama_get_memory(self.ctx)
+        if (gap <= 0 or gap > self.max_stream_gap
+                or b + gap + rows_left > min(self.n_batch, self.n_ubatch)):
+            return b
+        for g in range(lo + 1, hi):
+            if llama_memory_seq_pos_max(mem, g) + 1 >= self.n_ctx_seq:
+                return b
+        for g in range(lo + 1, hi):
+            self.gap_seq[self.n_gap] = g
+            self.gap_pos[self.n_gap] = llama_memory_seq_pos_max(mem, g) + 1
+            self._put(b, 0, self.gap_pos[self.n_gap], g, False)
+            self.n_gap += 1
+            b += 1
+        return b
+
+    cdef void _remove_gap_rows(self) noexcept nogil:
+        """Remove the cells this step's placeholder rows took (whether or not it decoded)."""
+        cdef llama_memory_t mem = llama_get_memory(self.ctx)
+        cdef int k
+        for k in range(self.n_gap):
+            llama_memory_seq_rm(mem, self.gap_seq[k], self.gap_pos[k], -1)
+        self.n_gap = 0
+
+    cdef inline void _put(self, int b, int token, llama_pos pos, int seq_id,
+                          bint output) noexcept nogil:
+        self.batch.token[b] = token
+        self.batch.pos[b] = pos
+        self.batch.n_seq_id[b] = 1
+        self.batch.seq_id[b][0] = seq_id
+        self.batch.logits[b] = output
 
     cdef bint _end_constrained_rows(self, int step, const int * sampled, const int * tokens,
                                     const int * counts, const int[::1] budgets, int n_steps,

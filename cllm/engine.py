@@ -116,7 +116,10 @@ class Engine:
                                  kv_unified=self.kv_unified, aligned_prefill=aligned,
                                  backend_sampling=(
                                      default_backend_sampling() if config.backend_sampling is None
-                                     else config.backend_sampling))
+                                     else config.backend_sampling),
+                                 max_stream_gap=(
+                                     default_stream_gap_fill() if config.stream_gap_fill is None
+                                     else config.stream_gap_fill))
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
@@ -574,6 +577,13 @@ def default_backend_sampling() -> bool:
     """Whether greedy rows are sampled inside the graph when none is asked: on a GPU, where
     the logits would otherwise travel to the host. ARCHITECTURE.md has the measurements."""
     return _core.supports_gpu_offload()
+
+
+def default_stream_gap_fill() -> int:
+    """How many idle streams a decode step fills between its split-stream sequences when none
+    is asked: on a GPU an extra forward pass costs about as much as ~25 rows (ARCHITECTURE.md,
+    "Scattered split streams"); on a CPU a row costs more than a pass."""
+    return 16 if _core.supports_gpu_offload() else 0
 
 
 def _slots(n_parallel: int, kv_unified: bool) -> int:

@@ -280,6 +280,55 @@ def test_run_timing_counts_the_steps_of_decode_runs_since_it_was_last_read(ctx, 
     assert ctx.run_timing()["steps"] == 0
 
 
+@pytest.mark.parametrize("backend_sampling", [False, True], ids=["host", "graph"])
+def test_a_decode_run_fills_gaps_between_split_streams_and_leaves_them_as_they_were(
+        model, backend_sampling):
+    """Rows in streams 0, 3 and 7: the idle streams between them get a placeholder row each,
+    where they have room (stream 5 is full), so the step is fewer forward passes; the rows'
+    tokens are those of a context that fills nothing, and the idle streams' cells are as
+    before: a prompt cached in stream 2 continues as if computed at once."""
+    def context(max_stream_gap):
+        return _core.Context(model, n_ctx=8 * 256, n_seq_max=8, kv_unified=False,
+                             backend_sampling=backend_sampling, max_stream_gap=max_stream_gap)
+
+    filling, plain = context(4), context(0)
+    assert filling.n_ctx_seq == 256 and plain.max_stream_gap == 0
+    cached = model.tokenize(PROMPTS[5])
+    full = (model.tokenize(" ".join(PROMPTS)) * 20)[:filling.n_ctx_seq]
+    filling.step(ints([2, 5]), ints([0, 0]), ints([len(cached) - 1, len(full)]), ints([0, 0]),
+                 ints(cached[:-1] + full))
+    used = filling.kv_cells_used()
+
+    def run(ctx):
+        rows = [0, 3, 7]
+        tokens = [model.tokenize(p) for p in PROMPTS[:3]]
+        for seq_id in rows:
+            ctx.set_sampler(seq_id, ban_eog=True)
+        first = ctx.step(ints(rows), ints([0] * 3), ints([len(t) for t in tokens]), ints([1] * 3),
+                         ints([t for row in tokens for t in row]))
+        ctx.run_timing()
+        out, counts = ctx.decode_run(ints(rows), ints([len(t) for t in tokens]), first,
+                                     ints([8] * 3), 8)
+        gap_rows = ctx.run_timing()["gap_rows"]
+        for seq_id in rows:
+            ctx.remove_sequence(seq_id)
+        return list(out), list(counts), gap_rows
+
+    assert run(filling)[:2] == run(plain)[:2]
+    assert run(filling)[2] == 2 and run(plain)[2] == 0  # streams 1 and 2; 4-6 hold a full one
+    assert filling.kv_cells_used() == used
+    assert [filling.seq_pos_max(s) for s in (1, 2, 5)] == [-1, len(cached) - 2, len(full) - 1]
+
+    def first_token(ctx, start):  # of the cached prompt, from its position `start`
+        ctx.set_sampler(2)
+        token = ctx.step(ints([2]), ints([start]), ints([len(cached) - start]), ints([1]),
+                         ints(cached[start:]))
+        ctx.remove_sequence(2)
+        return list(token)
+
+    assert first_token(filling, len(cached) - 1) == first_token(plain, 0)
+
+
 def test_what_after_step_raises_ends_the_run_and_is_raised(ctx, model):
     tokens = model.tokenize(PROMPTS[0])
     ctx.set_sampler(3, host_logits=True, ban_eog=True)
