@@ -856,7 +856,7 @@ cdef class Context:
         cell, and the batch stays one micro-batch with the rows_left still to come; returns the
         next batch index. llama.cpp decodes split streams in micro-batches of consecutive seq
         ids, each a forward pass of its own, and reuses a pass's graph only for the same
-        streams: on a GPU each extra pass cost ~2.5 ms a step, where a row costs ~0.1 ms
+        streams: on a GPU each extra pass cost ~2.5 ms a step, where a row costs ~0.06 ms
         (ARCHITECTURE.md, "Scattered split streams"). _remove_gap_rows takes the cells back."""
         cdef int g, gap = hi - lo - 1
         cdef llama_memory_t mem = llama_get_memory(self.ctx)

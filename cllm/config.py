@@ -102,8 +102,8 @@ class EngineConfig:
     prefill_stagger: int = 0
     n_ubatch: int = 512
     # Split streams: a decode step fills a gap of up to this many idle streams between its
-    # sequences with placeholder rows, so that the step stays one forward pass. None: 16 on a
-    # GPU, where a pass costs as much as ~25 rows, 0 on a CPU, where a row costs more than a
+    # sequences with placeholder rows, so that the step stays one forward pass. None: 64 on a
+    # GPU, where a pass costs as much as ~50 rows, 0 on a CPU, where a row costs more than a
     # pass (ARCHITECTURE.md, "Scattered split streams").
     stream_gap_fill: int | None = None
     n_threads: int = 0  # 0: every core this process may use

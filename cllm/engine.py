@@ -132,7 +132,8 @@ class Engine:
                                    cache_prompts=config.cache_prompts,
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1,
                                    prefill_stagger=config.prefill_stagger or (None if gpu else 16),
-                                   first_tokens_apart=aligned)
+                                   first_tokens_apart=aligned,
+                                   stream_gap_fill=self.ctx.max_stream_gap)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
         # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on a thread of
         # their own.
@@ -581,9 +582,9 @@ def default_backend_sampling() -> bool:
 
 def default_stream_gap_fill() -> int:
     """How many idle streams a decode step fills between its split-stream sequences when none
-    is asked: on a GPU an extra forward pass costs about as much as ~25 rows (ARCHITECTURE.md,
+    is asked: on a GPU an extra forward pass costs about as much as ~50 rows (ARCHITECTURE.md,
     "Scattered split streams"); on a CPU a row costs more than a pass."""
-    return 16 if _core.supports_gpu_offload() else 0
+    return 64 if _core.supports_gpu_offload() else 0
 
 
 def _slots(n_parallel: int, kv_unified: bool) -> int:

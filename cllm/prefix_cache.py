@@ -131,9 +131,14 @@ class PrefixCache:
     IDLE_PROMPT_GAIN = 32
 
     def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True,
-                 block: int = 1, replies: str = "auto", prompts: str = "auto") -> None:
+                 block: int = 1, replies: str = "auto", prompts: str = "auto",
+                 gap_fill: int = 0) -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         self.shared_cells = shared_cells
+        # Split streams: the core fills a gap of up to this many idle streams between a step's
+        # sequences with placeholder rows (_core.Context's max_stream_gap), so streams that
+        # close share a forward pass.
+        self.gap_fill = gap_fill
         # Split streams: an idle stream is outside every other row's attention, so it costs
         # nothing to keep; only one pool needs rules. Prompts are dropped only on the evidence
         # of a whole window (a fresh server keeps them, as llama-server's slots do); a chat's
@@ -209,10 +214,12 @@ class PrefixCache:
             return None
         match = self._match(tokens, limit, live_prefix)
         src = match.src
+        costs = self._step_costs()
         if self._takes_over(match, tokens):
-            beside = self._slot_beside_runs(idle, src) if self._stream_runs_added(src) > 0 else None
-            return match if beside is None else replace(match, dst=beside)
-        dst = min((s for s in idle if s is not src), key=self._preference, default=None)
+            cheaper = self._cheaper_slot(idle, src, costs)
+            return match if cheaper is None else replace(match, dst=cheaper)
+        dst = min((s for s in idle if s is not src), key=lambda s: self._preference(s, costs),
+                  default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
             return match
         return replace(match, dst=dst)
@@ -231,24 +238,29 @@ class PrefixCache:
         return (src.resuming is None and len(tokens) >= src.prompt_length > 0
                 and common_prefix(src.tokens, tokens) >= src.prompt_length)
 
-    def _slot_beside_runs(self, idle: list[Slot], src: Slot) -> Slot | None:
-        """Where a sequence that would take over `src`, a slot apart from the running streams,
-        goes instead: an idle slot where it joins a run, if one holds nothing that no other
-        idle slot holds too (its prefix is copied there). An extra run costs a forward pass
-        every step of the sequence, the copy one step's worth (on an H200, 8 streams of
-        repeated prompts taken over where they lay decoded at 88 tokens/s each against ~500
-        together). A copy that evicts a conversation costs that conversation's next turn: with
-        any slot beside the runs allowed, 64 conversations over 64 streams evicted each other
-        (88% of prompt tokens cached -> 38-57%; bench/results/h200-split-sampling/)."""
-        beside = [s for s in idle if s is not src and self._stream_runs_added(s) <= 0
-                  and self._holds_nothing_alone(s, idle)]
-        return min(beside, key=self._preference, default=None)
+    def _cheaper_slot(self, idle: list[Slot], src: Slot, costs: dict) -> Slot | None:
+        """Where a sequence that would take over `src` goes instead: an idle slot that costs
+        every step less (_step_costs), if it holds nothing that no other idle slot holds too
+        (its prefix is copied there). Without filled gaps only a slot that would start a pass
+        of its own is left, since a copy costs a step's worth on a CPU. An extra pass costs
+        every step of the sequence (on an H200, 8 streams of repeated prompts taken over where
+        they lay decoded at 88 tokens/s each against ~500 together). A copy that evicts a
+        conversation costs that conversation's next turn: with any slot beside the runs
+        allowed, 64 conversations over 64 streams evicted each other (88% of prompt tokens
+        cached -> 38-57%; bench/results/h200-split-sampling/)."""
+        cost = costs[src.id]
+        if cost[0] <= 0 and not self.gap_fill:
+            return None
+        cheaper = sorted((s for s in idle if costs[s.id] < cost),
+                         key=lambda s: self._preference(s, costs))
+        return next((s for s in cheaper if self._holds_nothing_alone(s, idle)), None)
 
-    def _preference(self, slot: Slot) -> tuple:
+    @staticmethod
+    def _preference(slot: Slot, costs: dict) -> tuple:
         """Which idle slot a sequence that does not take over its match goes to, lowest first:
-        with split streams one that keeps the running streams together, then an empty one,
-        then the least recently used (the source itself is never a candidate)."""
-        return self._stream_runs_added(slot), slot.cached > 0, slot.last_used
+        one that costs every step least (_step_costs), then an empty one, then the least
+        recently used (the source itself is never a candidate)."""
+        return costs[slot.id], slot.cached > 0, slot.last_used
 
     @staticmethod
     def _holds_nothing_alone(slot: Slot, idle: list[Slot]) -> bool:
@@ -259,17 +271,34 @@ class PrefixCache:
             other is not slot and other.cached >= len(held)
             and common_prefix(other.tokens, held) == len(held) for other in idle)
 
-    def _stream_runs_added(self, slot: Slot) -> int:
-        """With split streams, how many more runs of consecutive live slots a sequence in
-        `slot` makes (-1, 0 or 1): llama.cpp decodes each run in a forward pass of its own, so
-        rows in scattered streams cost a pass each (8 rows in every 4th of 32 streams: 77 ms a
-        step, against 46 ms in 8 consecutive ones, 2-core AVX2 AMD EPYC,
-        bench/probe_stream_gaps.py). In one pool, 0."""
+    def _step_costs(self) -> dict[int, tuple[int, int]]:
+        """For each idle slot, what a sequence in it would add to every step: (forward passes,
+        rows). With split streams llama.cpp decodes each run of consecutive streams in a pass
+        of its own (8 rows in every 4th of 32 streams: 77 ms a step, against 46 ms in 8
+        consecutive ones, 2-core AVX2 AMD EPYC, bench/probe_stream_gaps.py), and the core fills
+        a gap of up to gap_fill idle streams with a placeholder row each, so streams that close
+        share a pass and their gap's rows are computed. So a slot joins the pass of a live
+        stream within gap_fill of it, costing the rows between; a slot in a gap that is filled
+        already costs nothing. In one pool, nothing."""
+        live = [slot.live for slot in self.slots]
         if self.shared_cells:
-            return 0
-        neighbours = sum(1 for i in (slot.id - 1, slot.id + 1)
-                         if 0 <= i < len(self.slots) and self.slots[i].live)
-        return 1 - neighbours
+            return {i: (0, 0) for i, is_live in enumerate(live) if not is_live}
+        left = _nearest_live(live)
+        right = [None if r is None else len(live) - 1 - r for r in _nearest_live(live[::-1])][::-1]
+        costs = {}
+        for i, is_live in enumerate(live):
+            if is_live:
+                continue
+            lo, hi = left[i], right[i]
+            if lo is not None and hi is not None and hi - lo - 1 <= self.gap_fill:
+                costs[i] = (0, 0)
+                continue
+            passes, rows = 1, 1
+            for near, gap in ((lo, i - (lo or 0) - 1), (hi, (hi or 0) - i - 1)):
+                if near is not None and gap <= self.gap_fill:
+                    passes, rows = passes - 1, rows + gap
+            costs[i] = (passes, rows)
+        return costs
 
     # ---- changes ----
 
@@ -403,6 +432,16 @@ class PrefixCache:
         live_groups = {run.group for s in self.slots for run in s.runs}
         for group in [g for g in self._group_start if g not in live_groups]:
             del self._group_start[group]
+
+
+def _nearest_live(live: list[bool]) -> list[int | None]:
+    """For each index, the nearest index before it that is live, or None."""
+    nearest, last = [], None
+    for i, is_live in enumerate(live):
+        nearest.append(last)
+        if is_live:
+            last = i
+    return nearest
 
 
 def _clip(runs: list[Run], length: int) -> list[Run]:

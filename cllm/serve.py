@@ -62,7 +62,7 @@ OPTIONS = {
     "stream_gap_fill": (int, _ENGINE.stream_gap_fill,
                         "split streams: fill a gap of up to this many idle streams between a "
                         "step's sequences with placeholder rows, so the step stays one forward "
-                        "pass (default: 16 on a GPU, 0 on a CPU)"),
+                        "pass (default: 64 on a GPU, 0 on a CPU)"),
     "threads": (int, _ENGINE.n_threads, "CPU threads (0: every usable core)"),
     "cpu_wait": (str, _ENGINE.cpu_wait,
                  "how CPU threads wait for each other: spin (fastest on an idle machine), sleep "

@@ -319,7 +319,7 @@ def test_the_graph_samples_by_default_on_a_gpu_only(monkeypatch):
 
 def test_split_streams_gaps_are_filled_by_default_on_a_gpu_only(monkeypatch):
     monkeypatch.setattr(_core, "supports_gpu_offload", lambda: True)
-    assert default_stream_gap_fill() == 16
+    assert default_stream_gap_fill() == 64
     monkeypatch.setattr(_core, "supports_gpu_offload", lambda: False)
     assert default_stream_gap_fill() == 0
 

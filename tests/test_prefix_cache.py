@@ -167,6 +167,37 @@ def test_split_streams_take_over_a_slot_beside_a_running_one_rather_than_evict_a
     assert cache.slots[2].tokens[:10] == chats[2]  # the gap keeps its conversation
 
 
+@pytest.mark.parametrize("gap_fill, expected", [(0, 8), (16, 2)])
+def test_with_gaps_filled_a_prompt_far_from_the_running_ones_is_copied_closer(gap_fill, expected):
+    """With gaps of up to 16 idle streams filled, streams that close share a forward pass, but
+    each stream between them is a row computed every step: a repeated prompt cached 7 streams
+    from the running one is copied into the nearest slot that loses nothing (slot 2, whose
+    prompt slot 9 holds too; slot 1 holds the only copy of its own). Without filling only
+    slot 1 would join the running stream's pass, so the prompt is taken over where it lies."""
+    cache = PrefixCache(12, shared_cells=False, gap_fill=gap_fill)
+    a, unique, twice, b = [1] * 10, [2] * 10, [3] * 10, [4] * 10
+    for slot_id, tokens in ((0, a), (1, unique), (2, twice), (9, twice), (8, b)):
+        slot = cache.slots[slot_id]
+        cache.start(Placement(slot, None, 0))
+        cache.extend(slot, 0, 10)
+        cache.finish(slot, tokens)
+    cache.start(cache.place(a, 9, nothing_computed))  # runs in slot 0, its own
+    again = cache.place(b, 9, nothing_computed)
+    assert again.src.id == 8 and again.length == 9 and again.dst.id == expected
+    assert cache.slots[1].tokens == unique
+
+
+def test_step_costs_count_passes_and_the_rows_of_filled_gaps():
+    cache = PrefixCache(10, shared_cells=False, gap_fill=3)
+    for slot_id in (2, 7):  # four idle streams between them: too far apart to share a pass
+        cache.start(Placement(cache.slots[slot_id], None, 0))
+    assert cache._step_costs() == {0: (0, 2), 1: (0, 1), 3: (-1, 4), 4: (-1, 4), 5: (-1, 4),
+                                   6: (-1, 4), 8: (0, 1), 9: (0, 2)}
+    cache.start(Placement(cache.slots[4], None, 0))  # now 2, 4 and 7 share one pass
+    assert cache._step_costs()[3] == cache._step_costs()[6] == (0, 0)
+    assert cache._step_costs()[9] == (0, 2)
+
+
 def test_reuse_in_place_trims_and_the_evicted_lru_goes_first():
     cache = PrefixCache(3, shared_cells=True)
     a, b, c = ([k] * 40 for k in (1, 2, 3))
