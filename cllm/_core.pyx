@@ -311,7 +311,7 @@ cdef class Context:
     cdef readonly int mask_words  # uint32 words of one token bitmask: a bit per vocabulary entry
     cdef readonly bint kv_unified, aligned_prefill, backend_sampling
     # Split streams: a decode run's step fills a gap of up to this many idle streams between
-    # its rows with a placeholder row each (see _fill_gaps); 0: never.
+    # its rows with a placeholder row each (see _fill_gap); 0: never.
     cdef readonly int max_stream_gap
     cdef int n_ubatch
     cdef int * gap_seq  # this step's placeholder rows: sequence and position, to remove after
@@ -684,7 +684,8 @@ cdef class Context:
         ends early when every row has stopped, on `interrupt()`, or when the KV cache is full.
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
         A step that fails ends the run with what the steps before it made, and leaves no cell of
-        its own behind; DecodeError if the first step fails.
+        its own behind; DecodeError if the first step fails. With split streams, each step
+        fills the gaps between its rows up to `max_stream_gap` (see _fill_gap).
 
         Constrained rows: `mask_rows`, `masks` and `masks_ready`, as step() takes them, hold the
         first step's bitmasks, and `after_step(going_on, more)` gets every step's tokens, with

@@ -294,9 +294,9 @@ class PrefixCache:
                 costs[i] = (0, 0)
                 continue
             passes, rows = 1, 1
-            for near, gap in ((lo, i - (lo or 0) - 1), (hi, (hi or 0) - i - 1)):
-                if near is not None and gap <= self.gap_fill:
-                    passes, rows = passes - 1, rows + gap
+            for near in (lo, hi):
+                if near is not None and abs(i - near) - 1 <= self.gap_fill:
+                    passes, rows = passes - 1, rows + abs(i - near) - 1
             costs[i] = (passes, rows)
         return costs
 
