@@ -98,6 +98,12 @@ class Retention:
     def keeps(self) -> bool:
         if self.mode != "auto":
             return self.mode == "keep"
+        return self.reused
+
+    @property
+    def reused(self) -> bool:
+        """What the evidence says, whatever the mode: at least `SHARE` of the last `WINDOW`
+        admissions would have reused such cells, or fewer than `min_admissions` were seen."""
         if len(self._recent) < self.min_admissions:
             return True
         return sum(self._recent) >= self.SHARE * len(self._recent)
@@ -253,7 +259,7 @@ class PrefixCache:
             return None
         cheaper = sorted((s for s in idle if costs[s.id] < cost),
                          key=lambda s: self._preference(s, costs))
-        return next((s for s in cheaper if self._holds_nothing_alone(s, idle)), None)
+        return next((s for s in cheaper if self._loses_nothing(s, idle)), None)
 
     @staticmethod
     def _preference(slot: Slot, costs: dict) -> tuple:
@@ -262,11 +268,18 @@ class PrefixCache:
         recently used (the source itself is never a candidate)."""
         return costs[slot.id], slot.cached > 0, slot.last_used
 
-    @staticmethod
-    def _holds_nothing_alone(slot: Slot, idle: list[Slot]) -> bool:
+    def _loses_nothing(self, slot: Slot, idle: list[Slot]) -> bool:
         """Whether evicting idle `slot` loses nothing: it holds no cells, or another idle slot
-        holds its cached tokens too (a copy of the same prompt)."""
+        holds its cached tokens too (a copy of the same prompt). With split streams every
+        finished reply stays cached, but while recent requests do not continue replies
+        (`replies.reused`: one-shot requests, not chats), a reply is nothing to keep, and a
+        slot whose prompt another idle slot holds, with another reply, loses nothing either:
+        after a busy level every slot held a repeated prompt and its own reply, so no copy
+        could bring a later level's few streams together (bench/results/h200-stream-gap-fill/).
+        A preempted sequence's slot keeps all it holds: it resumes from there."""
         held = slot.tokens[:slot.cached]
+        if slot.resuming is None and not self.shared_cells and not self.replies.reused:
+            held = held[:slot.prompt_length]
         return not held or any(
             other is not slot and other.cached >= len(held)
             and common_prefix(other.tokens, held) == len(held) for other in idle)

@@ -187,6 +187,29 @@ def test_with_gaps_filled_a_prompt_far_from_the_running_ones_is_copied_closer(ga
     assert cache.slots[1].tokens == unique
 
 
+@pytest.mark.parametrize("continued", [False, True], ids=["one-shot", "chats"])
+def test_split_streams_copy_over_a_repeated_prompt_whose_reply_nobody_continues(continued):
+    """After a busy level every idle slot holds a repeated prompt and its own reply. While
+    requests do not continue replies, a slot whose prompt another slot holds loses nothing, so
+    a later prompt cached apart from the running stream is copied beside it; while they do
+    (chats), the reply is a conversation's history and stays."""
+    cache = PrefixCache(8, shared_cells=False)
+    a, b, c = [1] * 10, [2] * 10, [3] * 10
+    for slot, prompt in zip(cache.slots, (a, b, a, c, a, b, a, c)):  # each its own reply
+        cache.start(Placement(slot, None, 0))
+        cache.extend(slot, 0, 15)
+        cache.finish(slot, prompt + [10 + slot.id] * 5, prompt_length=10)
+    for _ in range(Retention.WINDOW):  # what the requests since did: the window's evidence
+        cache.prompts.admitted(True)
+        cache.replies.admitted(continued)
+    first = cache.place(a + [9], 10, nothing_computed)  # the same prompt again: its slot 0
+    cache.start(first)
+    again = cache.place(c + [9], 10, nothing_computed)  # slot 3 lies apart from slot 0
+    assert first.dst.id == 0 and again.src.id == 3 and again.length == 10
+    assert again.dst.id == (3 if continued else 1)  # slot 1's prompt b is in slot 5 too
+    assert cache.slots[5].tokens[:10] == b
+
+
 def test_step_costs_count_passes_and_the_rows_of_filled_gaps():
     cache = PrefixCache(10, shared_cells=False, gap_fill=3)
     for slot_id in (2, 7):  # four idle streams between them: too far apart to share a pass
