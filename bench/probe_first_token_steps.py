@@ -1,0 +1,90 @@
+"""Where a request's time to first token goes, step by step, engine-direct.
+
+Runs `python -m cllm.bench --engine-direct` with the arguments given, while recording every
+engine step (start, end, its chunks) and every request (arrival, first token). Then, for each
+request that found part of its prompt cached: the rest of the step in flight when it arrived,
+the steps that ran after that before the step that ended its prompt, and that step. E.g. the
+shared-document workload of issue 11:
+
+    python bench/probe_first_token_steps.py --threads 2 --workload shared-prefix --parallel 8 \\
+        --ctx-size 16384 --concurrency 8 --requests 48 --max-tokens 50 --warmup 0 --out /tmp/p"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from cllm import scheduler as scheduler_module
+from cllm.bench.__main__ import main as bench_main
+
+STEPS: list[dict] = []
+SEQUENCES: list = []
+
+
+def _record() -> None:
+    """Wrap Scheduler.schedule (a step starts; the one before has ended) and Scheduler.add."""
+    schedule, add = scheduler_module.Scheduler.schedule, scheduler_module.Scheduler.add
+
+    def recorded_schedule(self, now):
+        out = schedule(self, now)
+        if STEPS:
+            STEPS[-1]["end"] = time.monotonic()
+        STEPS.append({"start": now, "chunks": [(c.seq, c.start, c.length, c.samples)
+                                               for c in out.chunks]})
+        return out
+
+    def recorded_add(self, seq):
+        SEQUENCES.append(seq)
+        return add(self, seq)
+
+    scheduler_module.Scheduler.schedule = recorded_schedule
+    scheduler_module.Scheduler.add = recorded_add
+
+
+def _prompt_tokens(step: dict) -> int:
+    return sum(length for seq, start, length, _ in step["chunks"]
+               if start < len(seq.prompt_token_ids))
+
+
+def _parts(seq, steps: list[dict]) -> dict | None:
+    """Milliseconds from arrival to the end of the step in flight, in the steps between, and in
+    the step that ended the prompt (None if it never got a first token)."""
+    own = next((s for s in steps if any(c[0] is seq and c[3] for c in s["chunks"])), None)
+    if own is None or seq.first_token_time is None:
+        return None
+    arrival = seq.arrival_time
+    in_flight = next((s for s in steps if s["start"] < arrival < s["end"]), None)
+    between = [s for s in steps if arrival <= s["start"] < own["start"]]
+    return {"ttft": seq.first_token_time - arrival,
+            "in flight, rest": in_flight["end"] - arrival if in_flight else 0.0,
+            "steps between": sum(s["end"] - s["start"] for s in between),
+            "own step": own["end"] - own["start"],
+            "count between": len(between), "own prompt tokens": _prompt_tokens(own)}
+
+
+def _report() -> None:
+    steps = [s for s in STEPS if "end" in s]
+    rows = [p for p in (_parts(seq, steps) for seq in SEQUENCES if seq.num_cached_tokens)
+            if p is not None]
+    if not rows:
+        print("no request found part of its prompt cached")
+        return
+    print(f"{len(rows)} requests that found part of their prompt cached, medians:")
+    for key in rows[0]:
+        value = statistics.median(r[key] for r in rows)
+        unit = " ms" if key in ("ttft", "in flight, rest", "steps between", "own step") else ""
+        print(f"  {key:18s} {value * 1000 if unit else value:8.1f}{unit}")
+    for kind in ("prompt", "decode"):
+        chosen = [s for s in steps if (_prompt_tokens(s) > 0) == (kind == "prompt")]
+        if chosen:
+            print(f"  {kind} steps: {len(chosen)}, median "
+                  f"{1000 * statistics.median(s['end'] - s['start'] for s in chosen):.1f} ms, "
+                  f"{statistics.median(len(s['chunks']) for s in chosen)} rows")
+
+
+if __name__ == "__main__":
+    _record()
+    try:
+        bench_main(["--engine-direct"] + sys.argv[1:])
+    finally:
+        _report()
