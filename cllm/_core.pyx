@@ -864,12 +864,12 @@ cdef class Context:
         if (gap <= 0 or gap > self.max_stream_gap
                 or b + gap + rows_left > min(self.n_batch, self.n_ubatch)):
             return b
-        for g in range(lo + 1, hi):
-            if llama_memory_seq_pos_max(mem, g) + 1 >= self.n_ctx_seq:
+        for g in range(gap):  # each stream's next position, kept only if every one has room
+            self.gap_pos[self.n_gap + g] = llama_memory_seq_pos_max(mem, lo + 1 + g) + 1
+            if self.gap_pos[self.n_gap + g] >= self.n_ctx_seq:
                 return b
         for g in range(lo + 1, hi):
             self.gap_seq[self.n_gap] = g
-            self.gap_pos[self.n_gap] = llama_memory_seq_pos_max(mem, g) + 1
             self._put(b, 0, self.gap_pos[self.n_gap], g, False)
             self.n_gap += 1
             b += 1
@@ -1078,11 +1078,8 @@ cdef class Context:
             for p in range(first, pieces.call_end[c]):
                 r = pieces.row[p]
                 for j in range(pieces.length[p]):
-                    self.batch.token[i] = tokens[pieces.row_first[r] + pieces.offset[p] + j]
-                    self.batch.pos[i] = positions[r] + pieces.offset[p] + j
-                    self.batch.n_seq_id[i] = 1
-                    self.batch.seq_id[i][0] = seq_ids[r]
-                    self.batch.logits[i] = 0
+                    self._put(i, tokens[pieces.row_first[r] + pieces.offset[p] + j],
+                              positions[r] + pieces.offset[p] + j, seq_ids[r], False)
                     i += 1
                 if sample[r] and pieces.offset[p] + pieces.length[p] == n_tokens[r]:
                     self.batch.logits[i - 1] = 1

@@ -246,8 +246,8 @@ class PrefixCache:
 
     def _cheaper_slot(self, idle: list[Slot], src: Slot, costs: dict) -> Slot | None:
         """Where a sequence that would take over `src` goes instead: an idle slot that costs
-        every step less (_step_costs), if it holds nothing that no other idle slot holds too
-        (its prefix is copied there). Without filled gaps only a slot that would start a pass
+        every step less (_step_costs), if evicting it loses nothing (_loses_nothing; its
+        prefix is copied there). Without filled gaps only a slot that would start a pass
         of its own is left, since a copy costs a step's worth on a CPU. An extra pass costs
         every step of the sequence (on an H200, 8 streams of repeated prompts taken over where
         they lay decoded at 88 tokens/s each against ~500 together). A copy that evicts a
@@ -296,8 +296,8 @@ class PrefixCache:
         live = [slot.live for slot in self.slots]
         if self.shared_cells:
             return {i: (0, 0) for i, is_live in enumerate(live) if not is_live}
-        left = _nearest_live(live)
-        right = [None if r is None else len(live) - 1 - r for r in _nearest_live(live[::-1])][::-1]
+        left = _nearest_live(live, range(len(live)))
+        right = _nearest_live(live, reversed(range(len(live))))
         costs = {}
         for i, is_live in enumerate(live):
             if is_live:
@@ -447,12 +447,12 @@ class PrefixCache:
             del self._group_start[group]
 
 
-def _nearest_live(live: list[bool]) -> list[int | None]:
-    """For each index, the nearest index before it that is live, or None."""
-    nearest, last = [], None
-    for i, is_live in enumerate(live):
-        nearest.append(last)
-        if is_live:
+def _nearest_live(live: list[bool], order) -> dict[int, int | None]:
+    """For each index, the nearest live index that comes before it in `order`, or None."""
+    nearest, last = {}, None
+    for i in order:
+        nearest[i] = last
+        if live[i]:
             last = i
     return nearest
 
