@@ -18,6 +18,7 @@ from cllm import scheduler as scheduler_module
 from cllm.bench.__main__ import main as bench_main
 
 STEPS: list[dict] = []
+BURST_S = 0.05  # arrivals this close to the first one are the opening burst
 SEQUENCES: list = []
 
 
@@ -55,11 +56,21 @@ def _parts(seq, steps: list[dict]) -> dict | None:
     arrival = seq.arrival_time
     in_flight = next((s for s in steps if s["start"] < arrival < s["end"]), None)
     between = [s for s in steps if arrival <= s["start"] < own["start"]]
-    return {"ttft": seq.first_token_time - arrival,
+    return {"arrival": arrival, "ttft": seq.first_token_time - arrival,
             "in flight, rest": in_flight["end"] - arrival if in_flight else 0.0,
             "steps between": sum(s["end"] - s["start"] for s in between),
             "own step": own["end"] - own["start"],
             "count between": len(between), "own prompt tokens": _prompt_tokens(own)}
+
+
+def _print_medians(title: str, rows: list[dict]) -> None:
+    print(f"{title}, medians:")
+    for key in rows[0]:
+        if key == "arrival":
+            continue
+        value = statistics.median(r[key] for r in rows)
+        unit = " ms" if key in ("ttft", "in flight, rest", "steps between", "own step") else ""
+        print(f"  {key:18s} {value * 1000 if unit else value:8.1f}{unit}")
 
 
 def _report() -> None:
@@ -69,11 +80,15 @@ def _report() -> None:
     if not rows:
         print("no request found part of its prompt cached")
         return
-    print(f"{len(rows)} requests that found part of their prompt cached, medians:")
-    for key in rows[0]:
-        value = statistics.median(r[key] for r in rows)
-        unit = " ms" if key in ("ttft", "in flight, rest", "steps between", "own step") else ""
-        print(f"  {key:18s} {value * 1000 if unit else value:8.1f}{unit}")
+    # Requests of the opening burst wait for each other's prompts; later ones for the steps of
+    # a running batch: two different waits, so each group gets its own medians.
+    first = min(seq.arrival_time for seq in SEQUENCES)
+    burst = [p for p in rows if p["arrival"] - first < BURST_S]
+    for name, group in (("all", rows), (f"arrived within {BURST_S * 1000:.0f} ms of the first", burst),
+                        ("arrived later", [p for p in rows if p not in burst])):
+        if group:
+            _print_medians(f"{len(group)} requests that found part of their prompt cached, {name}",
+                           group)
     for kind in ("prompt", "decode"):
         chosen = [s for s in steps if (_prompt_tokens(s) > 0) == (kind == "prompt")]
         if chosen:
