@@ -12,13 +12,12 @@ import threading
 import ray
 from ray import serve
 
-from cllm.config import ServerConfig, apply_cpu_wait, usable_cores
+from cllm.config import WAIT_VARIABLES, ServerConfig, apply_cpu_wait, usable_cores
 from cllm.ray_environment import end_leftover_haproxy
 from cllm.scaleout import Plan, application
 
 log = logging.getLogger("cllm.cluster")
 APP_NAME = "cllm"
-_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what apply_cpu_wait may set
 PROXY_TIMEOUT_MARGIN = 30.0  # seconds
 
 
@@ -76,7 +75,7 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                 max_ongoing_requests=options["max_ongoing_requests"] or 2 * parallel,
                 router=options["routing"], cpus_per_replica=1.0 if gpus else float(threads),
                 gpus_per_replica=gpus,
-                env_vars={k: os.environ[k] for k in _WAIT_VARIABLES if k in os.environ})
+                env_vars={k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ})
     return config, plan
 
 

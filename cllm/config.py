@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Iterator
 
 from cllm.prefix_cache import Retention
 
@@ -202,3 +204,21 @@ def apply_cpu_wait(mode: str, n_threads: int) -> str:
 
 
 BRIEF_SPIN = 3000  # libgomp spin iterations before a thread sleeps (its default: 300,000)
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what apply_cpu_wait may set
+
+
+@contextmanager
+def cpu_wait_while_loading(mode: str, n_threads: int) -> Iterator[str]:
+    """apply_cpu_wait for a llama.cpp loaded inside the block, the environment as it was after
+    it: for a process that loads an engine and then starts other programs (the benchmark's
+    engine-direct target, then llama-server), which must keep their own defaults. Yields the
+    policy in effect."""
+    saved = {name: os.environ.get(name) for name in WAIT_VARIABLES}
+    try:
+        yield apply_cpu_wait(mode, n_threads)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -10,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement  # pytest's own dependency
 
 from cllm import serve
-from cllm.config import EngineConfig, apply_cpu_wait, usable_cores
+from cllm.config import EngineConfig, apply_cpu_wait, cpu_wait_while_loading, usable_cores
 from server_process import ServerProcess
 
 
@@ -139,3 +139,14 @@ def test_a_wait_policy_in_the_environment_wins(no_wait_policy, monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
     assert apply_cpu_wait("sleep", 0) == "environment"
     assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_wait_policy_applied_while_loading_leaves_the_environment_as_it_was(no_wait_policy,
+                                                                             monkeypatch):
+    with cpu_wait_while_loading("auto", 0) as policy:
+        assert policy.startswith("spin 3000") and os.environ["GOMP_SPINCOUNT"] == "3000"
+    assert "GOMP_SPINCOUNT" not in os.environ  # programs started later keep their defaults
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with cpu_wait_while_loading("sleep", 0) as policy:
+        assert policy == "environment"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

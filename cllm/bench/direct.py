@@ -22,15 +22,18 @@ class EngineTarget:
     """Sends prompts to an Engine running in this process; never raises from send()."""
 
     def __init__(self, model_path: str, s: ServerSettings, load: LoadSettings) -> None:
-        try:
-            from cllm.config import EngineConfig, SamplingParams
-            from cllm.engine import Engine
-        except ImportError as e:  # the compiled core is missing: a source checkout, not built
-            raise SystemExit(f"--engine-direct needs cllm built (pip install .): {e}") from e
+        from cllm.config import EngineConfig, SamplingParams, cpu_wait_while_loading
         config = EngineConfig(n_ctx=s.ctx_size, kv_unified=s.kv_unified,
                               n_parallel=s.parallel, n_batch=s.batch_size,
                               n_ubatch=s.ubatch_size, n_threads=s.threads,
                               n_gpu_layers=s.n_gpu_layers, flash_attn=s.flash_attn)
+        # llama.cpp's threads wait at barriers as `cllm.serve` would make them: else the two
+        # series would differ by their wait policies as well as by the HTTP path.
+        try:
+            with cpu_wait_while_loading(config.cpu_wait, config.n_threads):
+                from cllm.engine import Engine
+        except ImportError as e:  # the compiled core is missing: a source checkout, not built
+            raise SystemExit(f"--engine-direct needs cllm built (pip install .): {e}") from e
         self.engine = Engine(config, model_path)
         self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
                                        ignore_eos=load.ignore_eos)
