@@ -3,6 +3,7 @@
 Each measures one piece of the per-token path with the real default model, so a regression
 shows where it happened. No assertions on time: the figures are the product."""
 import asyncio
+import random
 from array import array
 
 import httpx
@@ -13,6 +14,7 @@ from cllm import _core, responses
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
 from cllm.models import resolve_model
+from cllm.prefix_cache import PrefixCache
 from cllm.scheduler import Scheduler
 from cllm.sequence import Sequence
 
@@ -105,6 +107,30 @@ def test_schedule_256_running(benchmark):
         sched.postprocess(plan, [7] * len(plan.chunks), 1.0)
 
     benchmark(step)
+
+
+def test_prefix_match_over_128_slots_of_a_shared_document(benchmark):
+    """Finding the longest cached prefix of a new request among 128 idle slots that each hold
+    the same 1,400-token document, a question and a reply (one pool of 64 streams' seq ids)."""
+    rng = random.Random(0)
+    document = [rng.randrange(1000, 49000) for _ in range(1400)]
+
+    def request(extra):  # its own int objects, as a tokenizer gives them
+        return [int(str(t)) for t in document] + [rng.randrange(1000, 49000)
+                                                   for _ in range(extra)]
+
+    cache = PrefixCache(128, shared_cells=True)
+    held = []
+    for _ in range(128):
+        tokens = request(96)
+        placement = cache.place(tokens, 0, lambda slot: ([], 0))
+        cache.start(placement)
+        cache.extend(placement.dst, 0, len(tokens))
+        held.append((placement.dst, tokens))
+    for slot, tokens in held:
+        cache.finish(slot, tokens, prompt_length=len(tokens) - 50)
+    new = request(46)
+    benchmark(cache.best_match, new, len(new) - 1, lambda slot: ([], 0))
 
 
 def test_sse_encoding_of_one_delta(benchmark):

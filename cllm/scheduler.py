@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cllm.prefix_cache import KvOp, Placement, PrefixCache, Slot, common_prefix
+from cllm.prefix_cache import (KvOp, Placement, PrefixCache, Slot, common_packed_prefix,
+                               pack)
 from cllm.sequence import (FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT, Sequence,
                            SequenceStatus)
 
@@ -387,12 +388,14 @@ class Scheduler:
         waits and starts from it once computed, so no prefix is computed twice at once."""
         if not (seq.cache_prompt and self.cache.enabled):
             return False
+        packed = None
         for other in self.running:
             computed = other.num_computed_tokens
             if computed >= other.num_prompt_tokens:
                 continue
-            shared = min(common_prefix(other.prompt_token_ids, seq.prompt_token_ids),
-                         seq.num_tokens - 1)
+            packed = packed or pack(seq.prompt_token_ids)
+            held = self.cache.packed_held(self.cache.slots[other.seq_id], other.prompt_token_ids)
+            shared = min(common_packed_prefix(held, packed), seq.num_tokens - 1)
             if shared - computed >= self.MIN_SHARED_WAIT:
                 return True
         return False
