@@ -110,12 +110,12 @@ class Retention:
         return sum(self._recent) >= self.SHARE * len(self._recent)
 
 
+_TOKEN_SIZE = array("i").itemsize
+
+
 def pack(tokens: list[int]) -> bytes:
     """Tokens as bytes, for common_packed_prefix."""
     return array("i", tokens).tobytes()
-
-
-_TOKEN_SIZE = array("i").itemsize
 
 
 def common_packed_prefix(a: bytes, b: bytes) -> int:
@@ -131,11 +131,6 @@ def common_packed_prefix(a: bytes, b: bytes) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    return common_packed_prefix(pack(a), pack(b))
 
 
 class PrefixCache:

@@ -9,7 +9,7 @@ from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import (Engine, EngineStoppedError, PromptTooLongError, default_backend_sampling,
                          default_stream_gap_fill)
-from cllm.prefix_cache import common_prefix
+from cllm.prefix_cache import common_packed_prefix, pack
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
@@ -349,7 +349,7 @@ def test_a_shared_prefix_is_computed_once(model_path):
                                                      temperature=0) for t in token_lists))
         results = asyncio.run(together())
         block = eng.scheduler.cache.block
-        shared = min(common_prefix(token_lists[0], t) for t in token_lists[1:])
+        shared = min(common_packed_prefix(pack(token_lists[0]), pack(t)) for t in token_lists[1:])
         cached = sorted(final.cached_tokens for _, _, final in results)
         assert cached[0] == 0 and all(shared // block * block <= n <= shared for n in cached[1:])
         assert all(final.completion_tokens == MAX_TOKENS or final.finish_reason == FINISH_STOP
@@ -485,7 +485,8 @@ def test_greedy_text_is_the_same_cached_or_computed_and_whatever_runs_beside_it(
         if eng.kv_unified:
             pytest.xfail("llama.cpp's CUDA kernels are not batch-invariant (see test_core)")
         token_lists = [eng.model.tokenize(p) for p in prompts]
-        assert 128 <= min(common_prefix(token_lists[0], t) for t in token_lists[1:])
+        first = pack(token_lists[0])
+        assert 128 <= min(common_packed_prefix(first, pack(t)) for t in token_lists[1:])
         alone = [asyncio.run(run_tokens(eng, t, cache_prompt=False, max_tokens=40,
                                         temperature=0, ignore_eos=True))[0]
                  for t in token_lists]

@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from cllm.prefix_cache import KvOp, Placement, PrefixCache, Retention, common_prefix
+from cllm.prefix_cache import (KvOp, Placement, PrefixCache, Retention, common_packed_prefix,
+                               pack)
 
 
 def no_live(slot):
@@ -24,13 +25,13 @@ def run_sequence(cache, tokens, limit=None, computed=None, reply=()):
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 100, 4000])
-def test_common_prefix_matches_a_plain_scan(n):
+def test_common_packed_prefix_matches_a_plain_scan(n):
     rng = random.Random(n)
     a = [rng.randrange(5) for _ in range(n)]
     for cut in {0, n // 2, n}:
         b = a[:cut] + [9] + a[cut:]
         expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert common_prefix(a, b) == expected == cut
+        assert common_packed_prefix(pack(a), pack(b)) == expected == cut
 
 
 def test_longest_prefix_wins_and_the_last_token_is_left_to_compute():
