@@ -7,7 +7,12 @@ the steps that ran after that before the step that ended its prompt, and that st
 shared-document workload of issue 11:
 
     python bench/probe_first_token_steps.py --threads 2 --workload shared-prefix --parallel 8 \\
-        --ctx-size 16384 --concurrency 8 --requests 48 --max-tokens 50 --warmup 0 --out /tmp/p"""
+        --ctx-size 16384 --concurrency 8 --requests 48 --max-tokens 50 --warmup 0 --out /tmp/p
+
+Over HTTP: `probe_first_token_steps.py serve ARGS` runs `python -m cllm.serve ARGS` in this
+process instead, loaded by any client (e.g. `python -m cllm.bench --url ...`); the report comes
+when the server stops (SIGTERM or SIGINT). There a request arrives once its prompt is tokenized;
+the client's TTFT less the server's is the HTTP path's share."""
 from __future__ import annotations
 
 import statistics
@@ -100,6 +105,10 @@ def _report() -> None:
 if __name__ == "__main__":
     _record()
     try:
-        bench_main(["--engine-direct"] + sys.argv[1:])
+        if sys.argv[1:2] == ["serve"]:
+            from cllm.serve import main as serve_main
+            serve_main(sys.argv[2:])
+        else:
+            bench_main(["--engine-direct"] + sys.argv[1:])
     finally:
         _report()
