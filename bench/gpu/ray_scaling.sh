@@ -13,7 +13,9 @@
 #                                 level from K benchmark processes, each a Kth of the streams)
 #   bash bench/gpu/ray_scaling.sh independent [GPUS] 1..GPUS plain servers, one per card, no
 #                                 Ray, loaded at once: the host's own scaling (PEER=1: llama-server
-#                                 of the same build instead, PEER_ARGS and PEER_MODEL)
+#                                 of the same build instead, PEER_ARGS and PEER_MODEL; PIN=1:
+#                                 each server on PIN_CORES physical cores of its own near its
+#                                 card, the benchmark clients on the other cores)
 #   bash bench/gpu/ray_scaling.sh prefix             2 replicas: prefix-aware vs random routing
 #                                 (DOCUMENTS=N PREFIX_TOKENS=T: the shared-prefix workload over
 #                                 N documents of T tokens, default 1 of 1,400)
@@ -53,7 +55,7 @@ free_port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0))
 # no built extension); sets URL and PID once it serves.
 start() {
   local name=$1; shift
-  launch "$name" $PY -m cllm.serve $SERVE_ARGS "$@"
+  launch "$name" ${SERVER_CPUS:+taskset -c $SERVER_CPUS} $PY -m cllm.serve $SERVE_ARGS "$@"
 }
 
 # start_peer NAME: llama-server of the same build (CLLM_PEER_BIN) with PEER_ARGS, as start does.
@@ -97,7 +99,8 @@ trap 'for p in "${SERVER_PIDS[@]}"; do stop "$p"; done' EXIT
 # bench TAG ARGS...: cllm.bench against $URL (more --url in ARGS), its table's last lines.
 bench() {
   local tag=$1; shift
-  (cd /tmp && $PY -m cllm.bench --url "$URL" "$@" --tag "$tag" --out "$OUT") 2>&1 \
+  (cd /tmp && ${CLIENT_CPUS:+taskset -c $CLIENT_CPUS} $PY -m cllm.bench --url "$URL" "$@" \
+       --tag "$tag" --out "$OUT") 2>&1 \
       | grep -v "^\s*$" | tail -6  # from /tmp: the source tree has no built extension
 }
 
@@ -166,6 +169,39 @@ print(f"{sys.argv[2]}: {len(runs)} clients, {tokens / max(m['duration_s'] for m 
 EOF2
 }
 
+# cpu_sets N CORES: N lines, the CPUs of CORES physical cores near each of the first N cards
+# (its PCI device's local_cpulist; any CPU where that is unknown), no core given twice; then a
+# line of the CPUs left, for the clients.
+cpu_sets() {
+  $PY - "$1" "$2" <<'EOF'
+import os, subprocess, sys
+n, per = int(sys.argv[1]), int(sys.argv[2])
+usable = os.sched_getaffinity(0)
+def cpu_list(text):
+    cpus = set()
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+def physical_core(cpu):
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    return tuple(open(topology + name).read().strip() for name in ("physical_package_id", "core_id"))
+buses = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                       capture_output=True, text=True).stdout.split()
+taken = set()
+for card in range(n):
+    path = f"/sys/bus/pci/devices/{buses[card][4:].lower()}/local_cpulist" if card < len(buses) else ""
+    near = cpu_list(open(path).read()) & usable if os.path.exists(path) else usable
+    cores = {}
+    for cpu in sorted(near - taken):
+        cores.setdefault(physical_core(cpu), []).append(cpu)
+    chosen = [cpu for core in list(cores)[:per] for cpu in cores[core]]
+    taken.update(chosen)
+    print(",".join(map(str, chosen)))
+print(",".join(map(str, sorted(usable - taken))))
+EOF
+}
+
 summary() {  # one line per server and level of this phase's JSON files
   $PY - "$OUT" "$@" <<'EOF'
 import json, sys, pathlib
@@ -217,14 +253,20 @@ independent)  # the host's own ceiling: N plain servers, one per card, no Ray, l
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
   KIND=plain; START=start
   [ "${PEER:-0}" = 1 ] && { KIND=peer; START=start_peer; }  # llama-server instead of cllm
+  if [ "${PIN:-0}" = 1 ]; then
+    KIND=$KIND-pinned; { nvidia-smi topo -m; lscpu -e; } > "$OUT/topology.txt" 2>&1
+  fi
   for N in ${REPLICA_COUNTS:-$(seq 1 "$GPUS")}; do
-    URLS=(); PIDS=()
+    URLS=(); PIDS=(); SETS=()
+    [ "${PIN:-0}" = 1 ] && mapfile -t SETS < <(cpu_sets "$N" "${PIN_CORES:-4}")
     for g in $(seq 0 $((N - 1))); do
-      CUDA_VISIBLE_DEVICES=$g $START $KIND-n$N-g$g || exit 1; URLS+=("$URL"); PIDS+=("$PID")
+      SERVER_CPUS=${SETS[g]:-} CUDA_VISIBLE_DEVICES=$g $START $KIND-n$N-g$g || exit 1
+      URLS+=("$URL"); PIDS+=("$PID")
+      [ -n "${SETS[g]:-}" ] && echo "$KIND-n$N-g$g on CPUs ${SETS[g]}"
     done
     CLIENTS_PIDS=()
     for g in $(seq 0 $((N - 1))); do
-      URL=${URLS[g]} start_clients $KIND-n$N-g$g "$PER_REPLICA" "${CLIENTS:-1}"
+      CLIENT_CPUS=${SETS[N]:-} URL=${URLS[g]} start_clients $KIND-n$N-g$g "$PER_REPLICA" "${CLIENTS:-1}"
     done
     wait "${CLIENTS_PIDS[@]}"
     aggregate $KIND-n$N
