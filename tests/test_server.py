@@ -630,6 +630,42 @@ def test_slow_clients_are_cut_off():
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
 
 
+def test_headers_without_end_are_refused_and_the_server_goes_on(server):
+    """A request whose headers keep coming is refused with a 400 once more than
+    serve.MAX_HEADER_BYTES of them wait incomplete, so no client grows the server's buffer
+    without bound; a request under the cap is served."""
+    reply = b""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        try:
+            for i in range(64):  # 64 KiB, a line at a time: each arrives in a read of its own
+                sock.sendall(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 1012))
+                time.sleep(0.01)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the client was done
+        try:
+            reply = _read_until_closed(sock, timeout=30)
+        except ConnectionResetError:
+            pass
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # under the cap
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"c" * 15_000
+                     + b"\r\nConnection: close\r\n\r\n")
+        assert _read_until_closed(sock, timeout=30).startswith(b"HTTP/1.1 200 ")
+
+
+def test_pipelined_requests_on_one_connection_are_all_answered(server):
+    """Requests sent back to back on one connection are answered in order; the headers'
+    deadline does not cut the ones queued behind a running request."""
+    request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request * 2 + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                   b"Connection: close\r\n\r\n")
+        replies = _read_until_closed(sock, timeout=30)
+    assert replies.count(b"HTTP/1.1 200 ") == 3, replies[:500]
+    assert replies.count(b'"object":"list"') == 2
+
+
 # ---- health, loading, shutdown ----
 
 def test_health_is_200_only_when_a_completion_succeeds():
