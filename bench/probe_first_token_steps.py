@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 
+from cllm import engine as engine_module
 from cllm import scheduler as scheduler_module
 from cllm.bench.__main__ import main as bench_main
 
@@ -28,16 +29,20 @@ SEQUENCES: list = []
 
 
 def _record() -> None:
-    """Wrap Scheduler.schedule (a step starts; the one before has ended) and Scheduler.add."""
+    """Wrap Scheduler.schedule (a step starts; the one before has ended), Scheduler.add, and
+    the engine's calls into llama.cpp (a step's time in the core, the rest is Python's)."""
     schedule, add = scheduler_module.Scheduler.schedule, scheduler_module.Scheduler.add
 
     def recorded_schedule(self, now):
         out = schedule(self, now)
         if STEPS:
             STEPS[-1]["end"] = time.monotonic()
-        STEPS.append({"start": now, "chunks": [(c.seq, c.start, c.length, c.samples)
-                                               for c in out.chunks]})
+        STEPS.append({"start": now, "scheduled": time.monotonic(), "core": 0.0,
+                      "chunks": [(c.seq, c.start, c.length, c.samples) for c in out.chunks]})
         return out
+
+    for name in ("_step_with_masks", "_decode_run"):
+        setattr(engine_module.Engine, name, _timed_core(getattr(engine_module.Engine, name)))
 
     def recorded_add(self, seq):
         SEQUENCES.append(seq)
@@ -45,6 +50,16 @@ def _record() -> None:
 
     scheduler_module.Scheduler.schedule = recorded_schedule
     scheduler_module.Scheduler.add = recorded_add
+
+
+def _timed_core(method):
+    def timed(self, *args):
+        start = time.monotonic()
+        try:
+            return method(self, *args)
+        finally:
+            STEPS[-1]["core"] += time.monotonic() - start
+    return timed
 
 
 def _prompt_tokens(step: dict) -> int:
@@ -97,9 +112,15 @@ def _report() -> None:
     for kind in ("prompt", "decode"):
         chosen = [s for s in steps if (_prompt_tokens(s) > 0) == (kind == "prompt")]
         if chosen:
-            print(f"  {kind} steps: {len(chosen)}, median "
-                  f"{1000 * statistics.median(s['end'] - s['start'] for s in chosen):.1f} ms, "
+            print(f"  {kind} steps: {len(chosen)}, medians: "
+                  f"{_median_ms(s['end'] - s['start'] for s in chosen):.1f} ms, of which "
+                  f"scheduling {_median_ms(s['scheduled'] - s['start'] for s in chosen):.1f}, "
+                  f"in the core {_median_ms(s['core'] for s in chosen):.1f}; "
                   f"{statistics.median(len(s['chunks']) for s in chosen)} rows")
+
+
+def _median_ms(seconds) -> float:
+    return 1000 * statistics.median(seconds)
 
 
 if __name__ == "__main__":
