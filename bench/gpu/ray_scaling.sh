@@ -10,7 +10,9 @@
 #                                 (REPLICA_COUNTS="1 2 4" picks the counts, FRONTS="1 R" the
 #                                 front replicas tried with each, R: as many as replicas;
 #                                 PLAIN=0 leaves out the plain server; CLIENTS=K drives each
-#                                 level from K benchmark processes, each a Kth of the streams)
+#                                 level from K benchmark processes, each a Kth of the streams;
+#                                 CLIENTS_PER_REPLICA=1: K for each replica, as `independent`
+#                                 gives each server)
 #   bash bench/gpu/ray_scaling.sh independent [GPUS] 1..GPUS plain servers, one per card, no
 #                                 Ray, loaded at once: the host's own scaling (PEER=1: llama-server
 #                                 of the same build instead, PEER_ARGS and PEER_MODEL; PIN=1:
@@ -242,7 +244,7 @@ throughput)  # tokens/s at saturating concurrency: the plain server, then Ray wi
       C=$((PER_REPLICA * R)); TAG=ray-r$R-f$F-c$C
       start $TAG --replicas $R --front-replicas $F || exit 1
       watch $TAG
-      load $TAG $C
+      CLIENTS=$(( ${CLIENTS:-1} * (${CLIENTS_PER_REPLICA:-0} ? R : 1) )) load $TAG $C
       watch_end
       stop "$PID"
     done
