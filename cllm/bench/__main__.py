@@ -22,7 +22,7 @@ from .loadgen import (Connections, HttpTarget, Level, ReplyLengths, Sender, firs
                       run_level)
 from .peer import build, start_peer
 from .servers import StartedServer, say, start_cllm
-from .stats import summarize
+from .stats import request_records, summarize
 from .workloads import LevelPlan, plans
 
 
@@ -150,7 +150,8 @@ async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
            "request_rate": level.rate, "level": level.label,
            "warmup_failed": sum(not r.ok for r in warm_results), "loadavg_1m": load_before,
            "client_cpu_share": cpu_share,
-           "metrics": summarize(results, duration, slo) | per_turn}
+           "metrics": summarize(results, duration, slo) | per_turn,
+           "requests": request_records(results)}
     if t.engine is not None:
         run["engine_steps"] = t.engine.timer_summary()
     return run

@@ -106,6 +106,18 @@ def cached_share(results: Sequence[RequestResult]) -> float | None:
     return sum(r.cached_tokens for r in known) / prompt if prompt else None
 
 
+def request_records(results: Sequence[RequestResult]) -> list[dict]:
+    """Each request of a level in the order it was sent: when (seconds after the level's first
+    send), its TTFT and end-to-end time (ms), tokens out, prompt tokens from the cache, and its
+    error if it failed. Medians hide shapes, e.g. two waves of one workload."""
+    first = min((r.start for r in results), default=0.0)
+    return [{"sent_s": round(r.start - first, 4),
+             "ttft_ms": None if r.ttft is None else round(1000 * r.ttft, 2),
+             "e2el_ms": round(1000 * r.latency, 2), "output_tokens": r.output_tokens,
+             "cached_tokens": r.cached_tokens, **({"error": r.error} if not r.ok else {})}
+            for r in sorted(results, key=lambda r: r.start)]
+
+
 def by_turn(conversations: Sequence[Sequence[RequestResult]]) -> dict:
     """TTFT, prompt size and cache share of each turn index over the conversations, and how
     much slower the last turn's first token is than the first's (TTFT p50, last / first)."""

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from cllm.bench.loadgen import RequestResult
-from cllm.bench.stats import by_turn, distribution, percentile, summarize
+from cllm.bench.stats import by_turn, distribution, percentile, request_records, summarize
 
 
 def test_percentile_interpolates_like_numpy():
@@ -99,3 +99,16 @@ def test_by_turn():
     assert first["cached_share"] == 0.0
     assert figures["ttft_p50_last_over_first"] == pytest.approx(300 / 150)
     assert by_turn([]) == {"turns": [], "ttft_p50_last_over_first": None}
+
+
+def test_request_records_keep_each_request_in_send_order():
+    results = [_result(2.5, 0.2, [0.1], 2, cached_tokens=7), _result(2.0, 0.05, [], 1),
+               RequestResult(start=2.25, end=2.5, error="HTTP 500: boom")]
+    records = request_records(results)
+    assert [r["sent_s"] for r in records] == [0.0, 0.25, 0.5]
+    assert records[0] == {"sent_s": 0.0, "ttft_ms": 50.0, "e2el_ms": 50.0, "output_tokens": 1,
+                          "cached_tokens": None}
+    assert records[1]["error"] == "HTTP 500: boom" and records[1]["ttft_ms"] is None
+    assert records[2]["ttft_ms"] == 200.0 and records[2]["e2el_ms"] == pytest.approx(300.0)
+    assert records[2]["cached_tokens"] == 7 and "error" not in records[2]
+    assert request_records([]) == []
