@@ -37,6 +37,7 @@ class EngineTarget:
         self.engine = Engine(config, model_path)
         self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
                                        ignore_eos=load.ignore_eos)
+        self.cache_prompt = load.cache_prompt is not False  # unsent: the server's default, on
 
     async def send(self, prompt: str | Sized) -> RequestResult:
         r = RequestResult(start=time.perf_counter())
@@ -44,13 +45,15 @@ class EngineTarget:
         if isinstance(prompt, Sized):
             prompt, sampling = prompt.prompt, replace(sampling, max_tokens=prompt.max_tokens)
         try:
-            stream = self.engine.submit(self.engine.model.tokenize(prompt), sampling)
+            stream = self.engine.submit(self.engine.model.tokenize(prompt), sampling,
+                                        cache_prompt=self.cache_prompt)
             async for delta in stream:
                 if delta.token_ids:
                     r.arrive(time.perf_counter())
                 if delta.finish_reason is not None:
                     r.finish_reason = delta.finish_reason
                     r.prompt_tokens = delta.prompt_tokens
+                    r.cached_tokens = delta.cached_tokens
                     r.output_tokens = delta.completion_tokens
                     r.error = delta.error or _failed_finish(delta.finish_reason)
         except Exception as e:  # recorded like an HTTP failure, never lost

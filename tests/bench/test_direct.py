@@ -1,0 +1,38 @@
+"""The engine-direct target (cllm/bench/direct.py) with the real model: it honours the
+benchmark's cache_prompt as the HTTP targets' servers do, and reports cached prompt tokens."""
+import asyncio
+
+import pytest
+
+from cllm.bench.direct import EngineTarget
+from cllm.bench.loadgen import LoadSettings
+from cllm.bench.servers import ServerSettings
+
+PROMPT = "Explain in a few words why the sky is blue, as a teacher would to a class of children."
+
+
+def _twice(model_path: str, cache_prompt: bool | None):
+    target = EngineTarget(model_path, ServerSettings(parallel=2, ctx_size=2048, threads=1),
+                          LoadSettings(max_tokens=2, cache_prompt=cache_prompt))
+
+    async def send_twice():
+        return [await target.send(PROMPT), await target.send(PROMPT)]
+    try:
+        return asyncio.run(send_twice())
+    finally:
+        target.shutdown()
+
+
+@pytest.mark.parametrize("cache_prompt", [None, True])
+def test_a_repeated_prompt_comes_from_the_cache_by_default(model_path, cache_prompt):
+    first, second = _twice(model_path, cache_prompt)
+    assert first.ok and second.ok, (first.error, second.error)
+    assert first.cached_tokens == 0
+    assert 0 < second.cached_tokens < second.prompt_tokens
+
+
+def test_no_cache_prompt_computes_every_prompt_again(model_path):
+    first, second = _twice(model_path, False)
+    assert first.ok and second.ok, (first.error, second.error)
+    assert first.cached_tokens == second.cached_tokens == 0
+    assert second.prompt_tokens == first.prompt_tokens > 10
