@@ -281,16 +281,14 @@ def test_a_preempted_constrained_request_resumes_where_it_was(model_path, engine
 
 
 class RunLog:
-    """The engine's context, noting the seq ids of the constrained rows each decode run
-    carried."""
+    """The engine's context, noting how many constrained rows each decode run carried."""
 
     def __init__(self, ctx):
         self._ctx, self.constrained = ctx, []
 
     def decode_run(self, *args):
-        seq_ids, mask_rows = args[0], args[5] if len(args) > 5 else None
-        self.constrained.append(set() if mask_rows is None else
-                                {seq_ids[r] for r, m in enumerate(mask_rows) if m >= 0})
+        mask_rows = args[5] if len(args) > 5 else None
+        self.constrained.append(0 if mask_rows is None else sum(m >= 0 for m in mask_rows))
         return self._ctx.decode_run(*args)
 
     def __getattr__(self, name):
@@ -331,7 +329,7 @@ def test_decode_runs_carry_constrained_rows_to_the_same_outputs(model_path, engi
     # wait until no prompt is pending, and when the requests reach the engine (in how many
     # steps' inboxes) differs between machines: on a 2-core Xeon one of the eight never ran in
     # one (its 15 tokens all in single steps), with the same outputs.
-    assert max(map(len, log.constrained)) >= 2
+    assert max(log.constrained) >= 2
     for i, (text, _, final) in enumerate(results[2:]):
         assert final.finish_reason == "stop" and validates(text, SCHEMAS[i // 2]["schema"])
 
