@@ -37,6 +37,7 @@ class Slot:
     # first `cached` of them (a dropped reply is remembered, to notice when replies come back).
     tokens: list[int] = field(default_factory=list)
     prompt_length: int = 0  # how many of them were its sequence's prompt
+    started_from: int = 0  # how many of them its sequence found cached: a prefix others share
     runs: list[Run] = field(default_factory=list)     # the cell groups behind positions 0..
     live: bool = False      # a running sequence writes it
     last_used: int = 0      # a clock tick, for least-recently-used eviction
@@ -364,6 +365,7 @@ class PrefixCache:
                         else [self._new_run(0, length)])
             src.last_used = next(self._clock)  # a prefix others start from is in use
         dst.tokens = []  # a live slot's tokens are its sequence's
+        dst.started_from = length if src is not None else 0
         dst.live = True
         dst.resuming = None
         dst.own_group = None
@@ -422,7 +424,16 @@ class PrefixCache:
         """How much of an idle slot's tokens the retention rules keep cached now."""
         if slot.resuming is not None or self.replies.keeps:
             return len(slot.tokens)
-        return slot.prompt_length if self.prompts.keeps else 0
+        if self.prompts.keeps:
+            return slot.prompt_length
+        # A prompt dropped by the evidence keeps the prefix it found cached, when long: cells
+        # that requests share (a document, a system prompt). Sequences that start from a
+        # running one's prefix never count as reusing an idle prompt, and once all that held
+        # it ended at once, the shared document was computed again: once every 8 requests at
+        # 8 streams (ARCHITECTURE.md, "What a dropped prompt keeps").
+        shared = min(slot.started_from, slot.prompt_length)
+        auto = self.prompts.mode == "auto"
+        return shared if auto and shared >= self.IDLE_PROMPT_GAIN else 0
 
     def _trim(self, slot: Slot, length: int) -> KvOp:
         """Keep the cells of an idle slot's first `length` positions; the KvOp that does it."""
@@ -432,6 +443,7 @@ class PrefixCache:
     def evict(self, slot: Slot) -> list[KvOp]:
         """Forget what an idle slot holds."""
         slot.tokens, slot.runs, slot.own_group, slot.prompt_length = [], [], None, 0
+        slot.started_from = 0
         slot.resuming = None
         self._recount()
         return [KvOp("clear", slot.id)]

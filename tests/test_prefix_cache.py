@@ -369,6 +369,28 @@ def test_in_one_pool_distinct_prompts_leave_no_cells_once_a_window_of_them_reuse
     assert all(len(s.tokens) == 50 for s in cache.slots if s.tokens)
 
 
+@pytest.mark.parametrize("shared, kept", [(100, 100), (20, 0)])
+def test_a_dropped_prompt_keeps_a_long_prefix_it_found_cached(shared, kept):
+    """Prompts dropped on the evidence (distinct ones): a document that the next request took
+    from a running one stays cached after both ended, a short shared prefix does not."""
+    cache = PrefixCache(64, shared_cells=True, replies="drop")
+    distinct_prompts(cache, 40)
+    assert not cache.prompts.keeps
+    doc = list(range(5000, 5000 + shared))
+    first = cache.place(doc + [1] * 30, shared + 29, no_live)
+    cache.start(first)
+    cache.extend(first.dst, 0, shared + 30)
+    second = cache.place(doc + [2] * 30, shared + 29,
+                         lambda slot: (doc + [1] * 30, shared + 30))
+    assert second.src is first.dst and second.length == shared
+    cache.start(second)
+    cache.extend(second.dst, shared, 30)
+    cache.finish(first.dst, doc + [1] * 30)
+    cache.finish(second.dst, doc + [2] * 30)
+    assert cache.place(doc + [3] * 30, shared + 29, no_live).length == kept
+    assert cache.cells_used == kept
+
+
 def test_idle_prompts_that_come_back_are_noticed_though_dropped_and_kept_again():
     cache = PrefixCache(64, shared_cells=True, replies="drop")
     distinct_prompts(cache, 40)
