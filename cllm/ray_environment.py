@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,6 +21,13 @@ LOCAL_DRAIN_SECONDS = "2"
 # anything else on them, would stop it from starting. A local Ray gets free ones.
 FIXED_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+# Where those free ports are looked for: above the ports Ray's workers listen on (10002-19999
+# by default) and below the range the kernel gives outgoing connections. A port taken from that
+# range, free when picked, can be an outgoing connection's before HAProxy binds it: once, on a
+# 4 x H200 host, HAProxy's stats port (39003) was "already in use" as Ray started.
+INGRESS_PORTS_FROM = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+EPHEMERAL_FROM_ELSEWHERE = 49152  # macOS's and the IANA's dynamic range
 # Every process of this local Ray inherits this variable, HAProxy included: how leftovers are
 # told from another instance's.
 INSTANCE_VARIABLE = "CLLM_RAY_INSTANCE"
@@ -41,14 +49,32 @@ def local_ray_environment() -> dict[str, str]:
     return {**environment,
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": LOCAL_DRAIN_SECONDS,
-            **{name: str(_free_port()) for name in FIXED_PORTS}}
+            **dict(zip(FIXED_PORTS, map(str, free_ports(len(FIXED_PORTS)))))}
 
 
-def _free_port() -> int:
-    """A port free on every interface now (HAProxy binds them on all)."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on every interface now (HAProxy binds them on all), from
+    INGRESS_PORTS_FROM up to the kernel's range for outgoing connections."""
+    candidates = list(range(INGRESS_PORTS_FROM, _ephemeral_from()))
+    random.shuffle(candidates)  # two local instances starting at once rarely pick alike
+    found = []
+    for port in candidates:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise OSError(f"no {n} free ports from {INGRESS_PORTS_FROM} up to the ephemeral range")
+
+
+def _ephemeral_from() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return EPHEMERAL_FROM_ELSEWHERE
 
 
 def prepare_local_ray() -> None:

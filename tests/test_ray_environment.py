@@ -33,6 +33,13 @@ def test_the_ingress_ports_are_free_ones_not_haproxys_fixed_numbers():
             probe.bind(("", port))  # free now
 
 
+def test_the_ingress_ports_lie_where_neither_rays_workers_nor_outgoing_connections_take_ports():
+    ephemeral_from = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = ray_environment.free_ports(50)
+    assert len(set(ports)) == 50
+    assert all(20000 <= port < ephemeral_from for port in ports)
+
+
 def test_a_value_the_user_set_stays(monkeypatch):
     for name in [*local_ray_environment(), INSTANCE_VARIABLE]:  # restored after the test
         monkeypatch.delenv(name, raising=False)
