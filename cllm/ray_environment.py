@@ -5,6 +5,7 @@ are set before Ray is imported; Ray's processes inherit them when `ray.init` sta
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import random
 import shutil
@@ -54,20 +55,31 @@ def local_ray_environment() -> dict[str, str]:
 
 def free_ports(n: int) -> list[int]:
     """`n` distinct ports free on every interface now (HAProxy binds them on all), from
-    INGRESS_PORTS_FROM up to the kernel's range for outgoing connections."""
+    INGRESS_PORTS_FROM up to the kernel's range for outgoing connections; where that range
+    leaves too little room below it, ports the kernel picks."""
     candidates = list(range(INGRESS_PORTS_FROM, _ephemeral_from()))
     random.shuffle(candidates)  # two local instances starting at once rarely pick alike
-    found = []
-    for port in candidates:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == n:
-            return found
-    raise OSError(f"no {n} free ports from {INGRESS_PORTS_FROM} up to the ephemeral range")
+    found = list(itertools.islice((port for port in candidates if _bindable(port)), n))
+    while len(found) < n:
+        port = _kernel_port()
+        if port not in found:
+            found.append(port)
+    return found
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def _ephemeral_from() -> int:

@@ -40,6 +40,18 @@ def test_the_ingress_ports_lie_where_neither_rays_workers_nor_outgoing_connectio
     assert all(20000 <= port < ephemeral_from for port in ports)
 
 
+def test_a_kernel_range_that_leaves_no_room_below_it_still_gives_free_ports(tmp_path,
+                                                                          monkeypatch):
+    whole_range = tmp_path / "ip_local_port_range"
+    whole_range.write_text("1024\t65535\n")
+    monkeypatch.setattr(ray_environment, "EPHEMERAL_RANGE", whole_range)
+    ports = ray_environment.free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket() as probe:
+            probe.bind(("", port))  # free now
+
+
 def test_a_value_the_user_set_stays(monkeypatch):
     for name in [*local_ray_environment(), INSTANCE_VARIABLE]:  # restored after the test
         monkeypatch.delenv(name, raising=False)
