@@ -12,9 +12,16 @@ shared-document workload of issue 11:
 Over HTTP: `probe_first_token_steps.py serve ARGS` runs `python -m cllm.serve ARGS` in this
 process instead, loaded by any client (e.g. `python -m cllm.bench --url ...`); the report comes
 when the server stops (SIGTERM or SIGINT). There a request arrives once its prompt is tokenized;
-the client's TTFT less the server's is the HTTP path's share."""
+the client's TTFT less the server's is the HTTP path's share.
+
+With PROBE_TIMELINE=FILE in the environment, every step (start, end and time in the core, ms
+from the first request's arrival; each chunk as [request, first position, tokens, samples])
+and every request (arrival, first token) also go to FILE as JSON: medians hide how a wave's
+requests and steps interleave."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import sys
 import time
@@ -123,6 +130,24 @@ def _median_ms(seconds) -> float:
     return 1000 * statistics.median(seconds)
 
 
+def _write_timeline(path: str) -> None:
+    first = min(seq.arrival_time for seq in SEQUENCES)
+
+    def ms(t):
+        return None if t is None else round(1000 * (t - first), 3)
+
+    steps = [{"start": ms(s["start"]), "end": ms(s["end"]), "core": round(1000 * s["core"], 3),
+              "chunks": [[seq.request_id, start, length, samples]
+                         for seq, start, length, samples in s["chunks"]]}
+             for s in STEPS if "end" in s]
+    requests = [{"id": seq.request_id, "arrival": ms(seq.arrival_time),
+                 "first_token": ms(seq.first_token_time),
+                 "prompt_tokens": len(seq.prompt_token_ids), "cached": seq.num_cached_tokens}
+                for seq in SEQUENCES]
+    with open(path, "w") as f:
+        json.dump({"steps": steps, "requests": requests}, f)
+
+
 if __name__ == "__main__":
     _record()
     try:
@@ -133,3 +158,5 @@ if __name__ == "__main__":
             bench_main(["--engine-direct"] + sys.argv[1:])
     finally:
         _report()
+        if os.environ.get("PROBE_TIMELINE") and SEQUENCES:
+            _write_timeline(os.environ["PROBE_TIMELINE"])
