@@ -365,7 +365,7 @@ class PrefixCache:
                         else [self._new_run(0, length)])
             src.last_used = next(self._clock)  # a prefix others start from is in use
         dst.tokens = []  # a live slot's tokens are its sequence's
-        dst.started_from = length if src is not None else 0
+        dst.started_from = self._found_prefix(placement, resuming)
         dst.live = True
         dst.resuming = None
         dst.own_group = None
@@ -375,6 +375,17 @@ class PrefixCache:
             ops += self.abandon(resuming)
         self._recount()
         return ops
+
+    def _found_prefix(self, placement: Placement, resuming: object) -> int:
+        """How much of a starting sequence's prefix others' cells gave it. A sequence resuming
+        after preemption starts from its own cells: only what it found when it first started
+        counts."""
+        if placement.src is None:
+            return 0
+        if resuming is None:
+            return placement.length
+        before = next((s for s in self.slots if s.resuming is resuming), None)
+        return min(placement.length, before.started_from) if before is not None else 0
 
     def extend(self, slot: Slot, start: int, n: int) -> None:
         """`slot`'s sequence computed `n` new tokens from position `start`: new cells."""

@@ -391,6 +391,24 @@ def test_a_dropped_prompt_keeps_a_long_prefix_it_found_cached(shared, kept):
     assert cache.cells_used == kept
 
 
+def test_a_prompt_resumed_from_its_own_cells_is_no_prefix_found_cached():
+    """A sequence with a prompt of its own, preempted and resumed from its slot, then ended
+    while prompts are dropped: nothing it computed itself stays cached."""
+    cache = PrefixCache(64, shared_cells=True, replies="drop")
+    distinct_prompts(cache, 40)
+    prompt = [9] * 40
+    first = cache.place(prompt, 39, no_live)
+    cache.start(first)
+    cache.extend(first.dst, 0, 45)
+    cache.finish(first.dst, prompt + [7] * 5, prompt_length=40, resuming="seq")
+    resumed = cache.place(prompt + [7] * 5, 44, no_live)
+    assert resumed.src is first.dst and resumed.length == 44
+    cache.start(resumed, resuming="seq")
+    cache.extend(resumed.dst, 44, 6)
+    cache.finish(resumed.dst, prompt + [7] * 10, prompt_length=40)
+    assert resumed.dst.cached == 0 and cache.cells_used == 0
+
+
 def test_idle_prompts_that_come_back_are_noticed_though_dropped_and_kept_again():
     cache = PrefixCache(64, shared_cells=True, replies="drop")
     distinct_prompts(cache, 40)
