@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="KV cache cells in all, split over the sequences (default 8192)")
     started.add_argument("--kv-unified", action=argparse.BooleanOptionalAction,
                          default=ENGINE_DEFAULTS.kv_unified,
-                         help="one KV pool that any sequence may fill, in both servers "
-                              "(default: cllm's, one pool on a GPU and split on a CPU)")
+                         help="one KV pool that any sequence may fill, in cllm (default: "
+                              "cllm's, one pool on a GPU and split on a CPU); llama-server's "
+                              "layout is --peer-kv's")
     started.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
     started.add_argument("--batch-size", type=_positive, default=ENGINE_DEFAULTS.n_batch)
     started.add_argument("--ubatch-size", type=_positive,
@@ -110,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     started.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto")
     started.add_argument("--n-gpu-layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers)
     started.add_argument("--peer-kv", choices=PEER_KV_LAYOUTS, nargs="+",
-                         help="llama-server's KV layout when it is not cllm's (its fastest may "
-                              "differ); both `split unified`: one llama-server of each, measured "
-                              "as llama-server-split and llama-server-unified")
+                         help="llama-server's KV layout (default: split, its own default and "
+                              "its faster one); both `split unified`: one llama-server of each, "
+                              "measured as llama-server-split and llama-server-unified")
     started.add_argument("--cllm-args", type=shlex.split, default=[],
                          help="more cllm.serve flags, one quoted string (e.g. "
                               "'--stream-interval 4')")

@@ -18,7 +18,8 @@ ENGINE_DEFAULTS = EngineConfig()  # the servers started here default to cllm's s
 
 @dataclass(slots=True)
 class ServerSettings:
-    """What cllm and llama-server are both started with, so they run the same configuration."""
+    """What cllm and llama-server are both started with, so they run the same configuration
+    (but the KV layout: each server's own unless asked)."""
     parallel: int
     ctx_size: int = 8192  # KV cells in all: split over the sequences unless kv_unified
     kv_unified: bool = False
@@ -29,7 +30,7 @@ class ServerSettings:
     n_gpu_layers: int = ENGINE_DEFAULTS.n_gpu_layers
     peer_args: tuple[str, ...] = ()  # llama-server only: e.g. its backend sampling, -bs
     cllm_args: tuple[str, ...] = ()  # cllm only: e.g. --stream-interval 4
-    peer_kv_unified: bool | None = None  # llama-server's layout, if not cllm's
+    peer_kv_unified: bool | None = None  # llama-server's layout; None: its default, split
 
 
 @dataclass(slots=True)

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from cllm import _core
 from cllm.bench import peer
 from cllm.bench.cli import load_settings, parse_args, server_settings
 from cllm.bench.servers import cllm_command
@@ -51,9 +50,11 @@ def test_peer_command_matches_cllm_settings():
     assert flag("--port") == "1234" and flag("-m") == "/m.gguf" and flag("-fa") == "auto"
     assert flag("-ngl") == "all"  # cllm's -1
     assert {"--no-repack", "--no-webui"} <= set(cmd)
-    # cllm's default layout, which both servers get: one pool on a GPU, split on a CPU.
-    assert ("--kv-unified" in cmd) is _core.supports_gpu_offload()
+    # llama-server's own layout, split, whatever cllm's (one pool on a GPU): the peer at its best.
+    assert "--kv-unified" not in cmd
     s.kv_unified = True
+    assert "--kv-unified" not in peer.server_command(Path("/b"), Path("/m"), 1, s)
+    s.peer_kv_unified = True
     assert "--kv-unified" in peer.server_command(Path("/b"), Path("/m"), 1, s)
     best = server_settings(parse_args(["--peer", "llama-server", "--peer-args", "-bs -fa on"]))
     assert peer.server_command(Path("/b"), Path("/m"), 1, best)[-3:] == ["-bs", "-fa", "on"]
