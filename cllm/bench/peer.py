@@ -122,7 +122,7 @@ def server_command(binary: Path, model: Path, port: int, s: ServerSettings) -> l
     for llama-server only where `peer_kv_unified` asks)."""
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(s.parallel), "-c", str(s.ctx_size),
-            *(["--kv-unified"] if _peer_kv_unified(s) else []),
+            *(["--kv-unified"] if s.peer_kv_unified else []),
             "-t", str(s.threads), "-b", str(s.batch_size), "-ub", str(s.ubatch_size),
             # cllm's -1 is llama.h's "every layer"; llama-server's -1 would mean "auto" (fit).
             "-fa", s.flash_attn, "-ngl", "all" if s.n_gpu_layers < 0 else str(s.n_gpu_layers),
@@ -130,13 +130,6 @@ def server_command(binary: Path, model: Path, port: int, s: ServerSettings) -> l
             # llama.cpp's AMX/repack buffers crash where the CPU reports AMX under a VM;
             # cllm turns them off the same way (use_extra_bufts=false).
             "--no-repack", *s.peer_args]
-
-
-def _peer_kv_unified(s: ServerSettings) -> bool:
-    """llama-server's own default, split KV, unless asked: it is also its faster layout on every
-    workload measured (e.g. 2,834 against 1,029-1,302 tok/s at 64 streams on an H200), and the
-    peer runs at its best, whatever cllm's layout."""
-    return bool(s.peer_kv_unified)
 
 
 def start_peer(model: Path, s: ServerSettings, log_dir: Path,
