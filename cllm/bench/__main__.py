@@ -77,10 +77,10 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
     if args.batched_bench:
         build(("llama-server", "llama-batched-bench"))
     if args.peer:
-        layouts = args.peer_kv or [None]
+        layouts = args.peer_kv or ["split"]
         for layout in layouts:
             name = "llama-server" + (f"-{layout}" if len(layouts) > 1 else "")
-            kv = s if layout is None else replace(s, peer_kv_unified=layout == "unified")
+            kv = replace(s, peer_kv_unified=layout == "unified")
             targets.append(_started(start_peer(resolve_model(args.model), kv, logs, name),
                                     stack, data))
     for url in args.url:
