@@ -86,6 +86,16 @@ class RequestStream:
         self._done = delta.finish_reason is not None
         return delta
 
+    def ready(self) -> list[Delta]:
+        """The deltas already delivered after the one just taken, taken without waiting (a
+        decode run delivers several at once)."""
+        deltas = []
+        while not self._done and not self._queue.empty():
+            delta = self._queue.get_nowait()
+            self._done = delta.finish_reason is not None
+            deltas.append(delta)
+        return deltas
+
     def abort(self) -> None:
         """Cancel the sequence; a no-op once it has finished."""
         if not self._done:

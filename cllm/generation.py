@@ -34,14 +34,17 @@ def failure(delta: Delta) -> SequenceFailure | None:
     return SequenceFailure(status, message, type=type_, code=code, headers=headers)
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) from all streams as they arrive; aborts the rest when left early."""
+async def merge(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, Delta]]]:
+    """(choice index, delta) from all streams, in batches: each holds what had arrived when it
+    was taken (a decode run delivers several deltas of a stream at once), so a streamed
+    response writes them together. Aborts the rest when left early."""
     if len(streams) == 1:  # the common case: no pump task and second queue between engine and client
+        stream = streams[0]
         try:
-            async for delta in streams[0]:
-                yield 0, delta
+            async for delta in stream:
+                yield [(0, delta)] + [(0, later) for later in stream.ready()]
         finally:
-            streams[0].abort()
+            stream.abort()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -53,9 +56,11 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]
     remaining = len(streams)
     try:
         while remaining:
-            index, delta = await queue.get()
-            remaining -= delta.finish_reason is not None
-            yield index, delta
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            remaining -= sum(delta.finish_reason is not None for _, delta in batch)
+            yield batch
     finally:
         for stream in streams:
             stream.abort()
@@ -70,13 +75,13 @@ class Generation:
         self.streams = streams
         self.fmt = fmt
         self._merged = merge(streams)
-        self._first: tuple[int, Delta] | None = None
+        self._first: list[tuple[int, Delta]] | None = None
 
     async def first_event(self) -> None:
         """Wait for the first delta, so an early failure (queue full, timeout) can still be
         answered with its own status instead of a 200 stream."""
-        self._first = index, delta = await anext(self._merged)
-        error = failure(delta)
+        self._first = await anext(self._merged)
+        error = failure(self._first[0][1])
         if error is not None:
             await self.close()
             raise error
@@ -84,30 +89,29 @@ class Generation:
     async def collect(self) -> dict:
         choices = [Choice() for _ in self.streams]
         try:
-            async for index, delta in self._events():
-                choices[index].add(delta)
-                error = failure(delta)
-                if error is not None:
-                    raise error
+            async for batch in self._batches():
+                for index, delta in batch:
+                    choices[index].add(delta)
+                    error = failure(delta)
+                    if error is not None:
+                        raise error
         finally:
             await self.close()
         return self.fmt.response(choices)
 
     async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body: chunks as they come, a usage chunk if asked, then the format's end
-        ([DONE] in OpenAI's APIs)."""
+        ([DONE] in OpenAI's APIs). The events of deltas that arrived together go in one write:
+        one event a token would otherwise cost a write each."""
         choices = [Choice() for _ in self.streams]
-        started = set()
+        started: set[int] = set()
         try:
-            async for index, delta in self._events():
-                choices[index].add(delta)
-                error = failure(delta)
-                if error is not None:
-                    yield self.fmt.event(self.fmt.error_body(error))
+            async for batch in self._batches():
+                events, failed = self._sse_events(batch, choices, started)
+                if events:
+                    yield events
+                if failed:
                     break
-                for chunk in self.fmt.chunks(index, delta, index not in started):
-                    yield self.fmt.event(chunk)
-                started.add(index)
             else:
                 usage_chunk = self.fmt.usage_chunk(usage(choices)) if include_usage else None
                 if usage_chunk is not None:
@@ -118,13 +122,27 @@ class Generation:
         finally:
             await self.close()
 
+    def _sse_events(self, batch: list[tuple[int, Delta]], choices: list[Choice],
+                    started: set[int]) -> tuple[bytes, bool]:
+        """One batch's events, and whether it ended the response with an error event."""
+        events = []
+        for index, delta in batch:
+            choices[index].add(delta)
+            error = failure(delta)
+            if error is not None:
+                events.append(self.fmt.event(self.fmt.error_body(error)))
+                return b"".join(events), True
+            events += map(self.fmt.event, self.fmt.chunks(index, delta, index not in started))
+            started.add(index)
+        return b"".join(events), False
+
     async def close(self) -> None:
         """Abort the sequences still running (the client left, or a sibling failed)."""
         await self._merged.aclose()
 
-    async def _events(self) -> AsyncIterator[tuple[int, Delta]]:
+    async def _batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
         if self._first is not None:
             first, self._first = self._first, None
             yield first
-        async for item in self._merged:
-            yield item
+        async for batch in self._merged:
+            yield batch
