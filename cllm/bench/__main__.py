@@ -58,7 +58,9 @@ def _write(data: dict, out: Path) -> None:
 def _settings(args: argparse.Namespace) -> dict:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     settings["levels"] = [asdict(level) for level in args.levels]
-    settings["server"] = asdict(server_settings(args))
+    # llama-server's layout is each started peer's own (`servers`), not one setting of the run.
+    settings["server"] = {k: v for k, v in asdict(server_settings(args)).items()
+                          if k != "peer_kv_unified"}
     return settings
 
 
@@ -82,17 +84,19 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
             name = "llama-server" + (f"-{layout}" if len(layouts) > 1 else "")
             kv = replace(s, peer_kv_unified=layout == "unified")
             targets.append(_started(start_peer(resolve_model(args.model), kv, logs, name),
-                                    stack, data))
+                                    stack, data, kv=layout))
     for url in args.url:
         name = urlsplit(url).netloc or url
         targets.append(Target(name, url=url, model=args.model))
     return targets
 
 
-def _started(server: StartedServer, stack: ExitStack, data: dict) -> Target:
+def _started(server: StartedServer, stack: ExitStack, data: dict, **facts) -> Target:
+    """`facts`: what the results should say of this server beyond its command (a peer's KV
+    layout)."""
     stack.callback(server.stop)
     data["servers"][server.name] = {"url": server.url, "command": server.process.args,
-                                    "log": str(server.log_path)}
+                                    "log": str(server.log_path), **facts}
     return Target(server.name, url=server.url)
 
 

@@ -1,12 +1,15 @@
 """Argument parsing and the llama-server command and build layout (nothing built)."""
 import dataclasses
+from contextlib import ExitStack
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from cllm.bench import __main__ as bench_main
 from cllm.bench import peer
 from cllm.bench.cli import load_settings, parse_args, server_settings
-from cllm.bench.servers import cllm_command
+from cllm.bench.servers import StartedServer, cllm_command
 
 
 def test_defaults():
@@ -131,3 +134,23 @@ def test_workload_options():
 def test_workload_conflicts_rejected(argv, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--url", "u", *argv])
+
+
+def test_each_started_peer_records_its_own_kv_layout(monkeypatch, tmp_path):
+    started = []
+
+    def start_peer(model, settings, logs, name):
+        started.append(settings.peer_kv_unified)
+        process = SimpleNamespace(args=[name], poll=lambda: 0)  # as if it had exited: no stop
+        return StartedServer(name, f"http://{name}", process, tmp_path)
+
+    monkeypatch.setattr(bench_main, "start_peer", start_peer)
+    monkeypatch.setattr(bench_main, "resolve_model", lambda model: Path("/m.gguf"))
+    args = parse_args(["--peer", "llama-server", "--peer-kv", "split", "unified"])
+    data = {"servers": {}}
+    with ExitStack() as stack:
+        bench_main._start_targets(args, stack, data)
+    assert started == [False, True]
+    assert {name: s["kv"] for name, s in data["servers"].items()} == {
+        "llama-server-split": "split", "llama-server-unified": "unified"}
+    assert "peer_kv_unified" not in bench_main._settings(args)["server"]
