@@ -246,8 +246,10 @@ class Engine:
             while not self._stopping:
                 self._wake.clear()
                 self.ctx.clear_interrupt()  # what is posted from here on interrupts a run
+                self.timer.start()
                 self._drain_inbox()
                 if self.scheduler.has_work:
+                    self.timer.lap("inbox")
                     self._step()
                 else:
                     self._wake.wait()
@@ -290,7 +292,6 @@ class Engine:
 
     def _step(self) -> None:
         timer = self.timer
-        timer.start()
         now = time.monotonic()
         out = self.scheduler.schedule(now)
         outbox = _Outbox()
@@ -308,9 +309,10 @@ class Engine:
             result = self._decode_run(out, rows, n_steps)
             timer.lap("decode")
             now = time.monotonic()  # the tokens exist from here on: TTFT and ITL count to it
-            got = []
+            got, forward_steps = [], 0
             if result is not None:
                 tokens, counts, grammar_ends = result
+                forward_steps = max(counts)
                 got = self.scheduler.postprocess_run(out, tokens, counts, n_steps, now)
                 for r, (reason, error) in grammar_ends.items():
                     self.scheduler.finish(out.chunks[r].seq, reason, now, error)
@@ -324,12 +326,13 @@ class Engine:
             got = self._account_step(out, rows, result, now) if result is not None else []
             self._advance_matchers(out, got, now)
             self._run_ahead = True
+            forward_steps = 1
         self._emit(out, got, now, outbox)
         self._free_released()  # before the clients hear that their sequences ended
         timer.lap("postprocess")
         outbox.deliver()
         timer.lap("handoff")
-        timer.end(len(out.chunks))
+        timer.end(len(out.chunks), forward_steps)
 
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many decode steps to run in C at once: several only while nobody waits, no

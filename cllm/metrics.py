@@ -5,10 +5,11 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from cllm.engine import Delta, Engine
+from cllm.steptimer import StepTimer
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -53,6 +54,7 @@ class Metrics:
         self.kv_usage.set_function(lambda: engine.kv_usage)
         self.cached_cells.set_function(lambda: engine.cached_cells)
         self.preemptions.set_function(lambda: engine.scheduler.num_preemptions)
+        self.registry.register(_EngineSteps(engine.timer))
 
     def record_sequence(self, final: Delta) -> None:
         """Account for one sequence from its last delta."""
@@ -76,6 +78,45 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The engine's step timer as counters, so a client can read where the engine thread's time went
+# over any interval, as the benchmark does engine-direct (`steptimer.summarize` of the difference
+# of two scrapes: `step_timer_counts`).
+ENGINE_PHASE_COUNTER = "cllm_engine_step_phase_seconds"
+ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
+    "steps": ("cllm_engine_steps", "Calls into the core (a decode run is one)"),
+    "rows": ("cllm_engine_step_rows", "Rows those calls carried"),
+    "forward_steps": ("cllm_engine_forward_steps", "Forward steps computed (a run's several)"),
+}
+
+
+class _EngineSteps:
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+
+    def collect(self):
+        counts = self.timer.snapshot()
+        phases = CounterMetricFamily(ENGINE_PHASE_COUNTER, "Engine thread time by step phase",
+                                     labels=["phase"])
+        for phase, seconds in counts["totals"].items():
+            phases.add_metric([phase], seconds)
+        yield phases
+        for key, (name, help_) in ENGINE_STEP_COUNTERS.items():
+            yield CounterMetricFamily(name, help_, value=counts[key])
+
+
+def step_timer_counts(exposition: str) -> dict | None:
+    """A step timer snapshot from a /metrics text (None if it has none: another server)."""
+    counts: dict = {"totals": {}}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == ENGINE_PHASE_COUNTER + "_total":
+                counts["totals"][sample.labels["phase"]] = sample.value
+            for key, (name, _) in ENGINE_STEP_COUNTERS.items():
+                if sample.name == name + "_total":
+                    counts[key] = int(sample.value)
+    return counts if len(counts) == 1 + len(ENGINE_STEP_COUNTERS) else None
 
 
 def merge(expositions: Mapping[str, bytes]) -> bytes:

@@ -22,8 +22,10 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from cllm import steptimer
 from cllm.chat_template import ChatTemplate
 from cllm.config import ServerConfig
+from cllm.metrics import step_timer_counts
 from cllm.server import AppState, guarded
 from http_checks import (StreamGaps, assert_error, metrics, post_stream, sse_payloads,
                          wait_for_metric)
@@ -955,6 +957,22 @@ def test_metrics(http):
         assert grew(h + "_count") == 1
     assert after["cllm_requests_running"] == 0 and after["cllm_requests_waiting"] == 0
     assert 0 <= after["cllm_kv_cache_usage_ratio"] <= 1
+
+
+def test_metrics_say_where_the_engine_threads_time_went(http):
+    """The step timer over /metrics, as the benchmark reads it for a server it measures."""
+    def counts():
+        return step_timer_counts(http.get("/metrics").text)
+
+    before = counts()
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200
+    steps = steptimer.summarize(steptimer.since(counts(), before))
+    assert steps["steps"] >= 5  # the prompt's step, then a call for each of four decodes or fewer
+    assert steps["forward_steps_per_step"] >= 1 and steps["rows_per_step"] >= 1
+    phases = {"inbox", "schedule", "decode", "postprocess", "handoff"}
+    assert {key for key in steps if key.endswith("_ms")} == {f"{p}_ms" for p in phases}
+    assert steps["decode_ms"] > 0
 
 
 # ---- the prefix cache over HTTP ----

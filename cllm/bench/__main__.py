@@ -7,12 +7,16 @@ import os
 import sys
 import time
 from contextlib import ExitStack
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
+from cllm import steptimer
+from cllm.metrics import step_timer_counts
 from cllm.models import DEFAULT_ALIAS, resolve_model
 
 from . import prompts, report
@@ -32,7 +36,9 @@ class Target:
     url: str | None = None  # None: measured in-process (engine-direct)
     model: str | None = None
     send: Sender | None = None  # set once the model name is known
-    engine: EngineTarget | None = None  # for its step timer
+    engine: EngineTarget | None = None
+    # The engine's step timer so far (cllm's, in-process or over /metrics); None: another server.
+    step_counts: Callable[[], Awaitable[dict | None]] | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,7 +81,8 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
         path = resolve_model(args.model)
         engine = EngineTarget(str(path), s, load_settings(args))
         stack.callback(engine.shutdown)
-        targets.append(Target("cllm-engine", model=path.name, send=engine.send, engine=engine))
+        targets.append(Target("cllm-engine", model=path.name, send=engine.send, engine=engine,
+                              step_counts=engine.step_counts))
     if args.batched_bench:
         build(("llama-server", "llama-batched-bench"))
     if args.peer:
@@ -111,6 +118,7 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
             if t.url:
                 t.model = t.model or await first_model(connections, t.url)
                 t.send = HttpTarget(t.url, t.model, load, connections).send
+                t.step_counts = partial(_engine_step_counts, connections, t.url)
         groups = ([_with_schema(t, load, connections) for t in targets]
                   if args.workload == "structured" else [[t] for t in targets])
         levels = [(level, repeat) for level in args.levels for repeat in range(args.runs)]
@@ -134,16 +142,16 @@ def _with_schema(t: Target, load, connections: Connections) -> list[Target]:
                              connections)
     return [t,
             Target(f"{t.name}+schema", url=t.url, model=t.model,
-                   send=lengths.recording(constrained.send)),
-            Target(f"{t.name}+lengths", url=t.url, model=t.model, send=lengths.sized(t.send))]
+                   send=lengths.recording(constrained.send), step_counts=t.step_counts),
+            Target(f"{t.name}+lengths", url=t.url, model=t.model, send=lengths.sized(t.send),
+                   step_counts=t.step_counts)]
 
 
 async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
                    slo: dict[str, float] | None) -> dict:
     load_before = os.getloadavg()[0]  # on a shared machine, says how busy it was
     warm_results, _ = await run_level(t.send, plan.warmup, level.concurrency or 4)
-    if t.engine is not None:
-        t.engine.reset_timer()
+    steps_before = await t.step_counts() if t.step_counts else None
     cpu_before = time.process_time()
     results, duration, per_turn = await plan.run(t.send, level, seed,
                                                  desc=f"{t.name} {level.label}")
@@ -156,9 +164,20 @@ async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
            "client_cpu_share": cpu_share,
            "metrics": summarize(results, duration, slo) | per_turn,
            "requests": request_records(results)}
-    if t.engine is not None:
-        run["engine_steps"] = t.engine.timer_summary()
+    steps_after = await t.step_counts() if steps_before is not None else None
+    if steps_after is not None:  # where the engine thread's time went over the level
+        run["engine_steps"] = steptimer.summarize(steptimer.since(steps_after, steps_before))
     return run
+
+
+async def _engine_step_counts(connections: Connections, url: str) -> dict | None:
+    """A cllm server's step timer so far, from its /metrics; None from any other server."""
+    try:
+        async with connections.client() as client:
+            resp = await client.get(url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return None
+    return step_timer_counts(resp.text) if resp.status_code == 200 else None
 
 
 def _print_run(run: dict) -> None:
@@ -169,6 +188,11 @@ def _print_run(run: dict) -> None:
     say(f"{run['server']} {run['level']}: {m['completed']} ok{resent}, {m['failed']} failed, "
         f"{m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50'] or 0:.1f} ms"
         f"{cached}{good}")
+    if run.get("engine_steps"):
+        steps = run["engine_steps"]
+        phases = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in steps.items() if k.endswith("_ms"))
+        say(f"  engine thread: {steps['steps']} calls, {steps['rows_per_step']:.1f} rows and "
+            f"{steps['forward_steps_per_step']:.1f} forward steps a call; ms a call: {phases}")
 
 
 if __name__ == "__main__":

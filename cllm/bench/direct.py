@@ -61,11 +61,9 @@ class EngineTarget:
         r.end = time.perf_counter()
         return check_tokens(r)
 
-    def reset_timer(self) -> None:
-        self.engine.timer.reset()
-
-    def timer_summary(self) -> dict[str, float]:
-        return self.engine.timer.summary()
+    async def step_counts(self) -> dict:
+        """The engine's step timer so far (`steptimer.since` of two: the steps between)."""
+        return self.engine.timer.snapshot()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

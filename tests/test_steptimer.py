@@ -1,0 +1,33 @@
+"""The engine's step timer (cllm/steptimer.py): phases per call, and the steps between two
+snapshots."""
+from cllm.steptimer import StepTimer, since, summarize
+
+
+def test_the_steps_between_two_snapshots():
+    timer = StepTimer()
+    timer.start()
+    timer.lap("decode")
+    timer.end(rows=4)
+    first = timer.snapshot()
+    for _ in range(2):  # two decode runs of 8 forward steps
+        timer.start()
+        timer.lap("schedule")
+        timer.lap("decode")
+        timer.end(rows=6, forward_steps=8)
+    between = since(timer.snapshot(), first)
+    assert (between["steps"], between["rows"], between["forward_steps"]) == (2, 12, 16)
+    assert between["totals"]["decode"] == timer.totals["decode"] - first["totals"]["decode"]
+    summary = summarize(between)
+    assert summary["rows_per_step"] == 6 and summary["forward_steps_per_step"] == 8
+    assert set(summary) >= {"schedule_ms", "decode_ms", "overhead_share"}
+    assert 0 <= summary["overhead_share"] <= 1
+
+
+def test_a_snapshot_does_not_move_with_the_timer():
+    timer = StepTimer()
+    timer.start()
+    timer.lap("decode")
+    snapshot = timer.snapshot()
+    timer.lap("decode")
+    timer.end(rows=1)
+    assert snapshot["steps"] == 0 and snapshot["totals"]["decode"] < timer.totals["decode"]
