@@ -107,15 +107,18 @@ class _EngineSteps:
 
 
 def step_timer_counts(exposition: str) -> dict | None:
-    """A step timer snapshot from a /metrics text (None if it has none: another server)."""
+    """A step timer snapshot from a /metrics text, summed over replicas where a scale-out
+    front merged several (None if it has none: another server)."""
     counts: dict = {"totals": {}}
+    names = {name + "_total": key for key, (name, _) in ENGINE_STEP_COUNTERS.items()}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name == ENGINE_PHASE_COUNTER + "_total":
-                counts["totals"][sample.labels["phase"]] = sample.value
-            for key, (name, _) in ENGINE_STEP_COUNTERS.items():
-                if sample.name == name + "_total":
-                    counts[key] = int(sample.value)
+                phase = sample.labels["phase"]
+                counts["totals"][phase] = counts["totals"].get(phase, 0.0) + sample.value
+            elif sample.name in names:
+                key = names[sample.name]
+                counts[key] = counts.get(key, 0) + int(sample.value)
     return counts if len(counts) == 1 + len(ENGINE_STEP_COUNTERS) else None
 
 

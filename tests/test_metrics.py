@@ -1,0 +1,31 @@
+"""The engine's step timer on /metrics (cllm/metrics.py): read back as the benchmark reads it,
+from one server and from a scale-out front that merged several replicas."""
+from cllm.metrics import Metrics, _EngineSteps, merge, step_timer_counts
+from cllm.steptimer import StepTimer
+
+
+def served(calls: int, rows: int, forward_steps: int) -> tuple[Metrics, StepTimer]:
+    metrics, timer = Metrics(), StepTimer()
+    metrics.registry.register(_EngineSteps(timer))
+    for _ in range(calls):
+        timer.start()
+        timer.lap("decode")
+        timer.end(rows, forward_steps)
+    return metrics, timer
+
+
+def test_one_servers_counts_read_back_as_its_timer_has_them():
+    metrics, timer = served(calls=3, rows=5, forward_steps=8)
+    counts = step_timer_counts(metrics.render().decode())
+    assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (3, 15, 24)
+    assert counts["totals"]["decode"] == timer.totals["decode"]
+
+
+def test_a_front_that_merged_replicas_reads_as_their_sum():
+    (one, _), (two, _) = served(2, 4, 1), served(3, 6, 8)
+    counts = step_timer_counts(merge({"r1": one.render(), "r2": two.render()}).decode())
+    assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (5, 26, 26)
+
+
+def test_a_server_without_the_counters_has_no_counts():
+    assert step_timer_counts(Metrics().render().decode()) is None
