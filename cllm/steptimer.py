@@ -61,5 +61,5 @@ def since(after: dict, before: dict) -> dict:
     """What two snapshots of one timer differ by: the steps between them."""
     totals = {phase: seconds - before["totals"].get(phase, 0.0)
               for phase, seconds in after["totals"].items()}
-    return {"totals": totals, **{key: after[key] - before[key]
-                                 for key in ("steps", "rows", "forward_steps")}}
+    counts = {key: after[key] - before[key] for key in after if key != "totals"}
+    return {"totals": totals, **counts}
