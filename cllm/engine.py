@@ -82,19 +82,19 @@ class RequestStream:
     async def __anext__(self) -> Delta:
         if self._done:
             raise StopAsyncIteration
-        delta = await self._queue.get()
-        self._done = delta.finish_reason is not None
-        return delta
+        return self._taken(await self._queue.get())
 
     def ready(self) -> list[Delta]:
         """The deltas already delivered after the one just taken, taken without waiting (a
         decode run delivers several at once)."""
         deltas = []
         while not self._done and not self._queue.empty():
-            delta = self._queue.get_nowait()
-            self._done = delta.finish_reason is not None
-            deltas.append(delta)
+            deltas.append(self._taken(self._queue.get_nowait()))
         return deltas
+
+    def _taken(self, delta: Delta) -> Delta:
+        self._done = delta.finish_reason is not None
+        return delta
 
     def abort(self) -> None:
         """Cancel the sequence; a no-op once it has finished."""

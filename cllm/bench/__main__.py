@@ -6,8 +6,8 @@ import asyncio
 import os
 import sys
 import time
-from contextlib import ExitStack
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -36,7 +36,6 @@ class Target:
     url: str | None = None  # None: measured in-process (engine-direct)
     model: str | None = None
     send: Sender | None = None  # set once the model name is known
-    engine: EngineTarget | None = None
     # The engine's step timer so far (cllm's, in-process or over /metrics); None: another server.
     step_counts: Callable[[], Awaitable[dict | None]] | None = None
 
@@ -81,7 +80,7 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
         path = resolve_model(args.model)
         engine = EngineTarget(str(path), s, load_settings(args))
         stack.callback(engine.shutdown)
-        targets.append(Target("cllm-engine", model=path.name, send=engine.send, engine=engine,
+        targets.append(Target("cllm-engine", model=path.name, send=engine.send,
                               step_counts=engine.step_counts))
     if args.batched_bench:
         build(("llama-server", "llama-batched-bench"))
@@ -156,8 +155,8 @@ async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
     results, duration, per_turn = await plan.run(t.send, level, seed,
                                                  desc=f"{t.name} {level.label}")
     # The client's own CPU over the level: near one core, the figures may be the client's
-    # limit (report.table says so). An engine measured in this process counts in it too.
-    cpu_share = (time.process_time() - cpu_before) / duration if t.engine is None else None
+    # limit (report.table says so). An engine measured in this process would count in it too.
+    cpu_share = (time.process_time() - cpu_before) / duration if t.url else None
     run = {"server": t.name, "url": t.url, "model": t.model, "concurrency": level.concurrency,
            "request_rate": level.rate, "level": level.label,
            "warmup_failed": sum(not r.ok for r in warm_results), "loadavg_1m": load_before,
