@@ -133,9 +133,10 @@ def test_prefix_match_over_128_slots_of_a_shared_document(benchmark):
     benchmark(cache.best_match, new, len(new) - 1, lambda slot: ([], 0))
 
 
-def test_sse_encoding_of_one_delta(benchmark):
+@pytest.mark.parametrize("text", [" world", "世界"], ids=["ascii", "cjk"])
+def test_sse_encoding_of_one_delta(benchmark, text):
     chunk = {"id": "cmpl-0123456789", "object": "text_completion", "created": 1, "model": "m",
-             "choices": [{"index": 0, "text": " world", "logprobs": None, "finish_reason": None}]}
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
     assert benchmark(responses.sse_event, chunk).startswith(b"data: ")
 
 

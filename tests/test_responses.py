@@ -2,6 +2,8 @@
 import json
 import math
 
+import pytest
+
 from cllm.api import APIError
 from cllm.responses import (Token, chat_choice, chat_chunk, chat_logprobs, chat_response,
                             completion_choice, completion_chunk, completion_logprobs,
@@ -99,8 +101,9 @@ def test_sse_framing_is_exact():
     assert sse_event("[DONE]") == b"data: [DONE]\n\n"
 
 
-def test_sse_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks():
-    text = "a\x85b\u2028c\u2029d\re\nf"  # a model may generate any of them
+@pytest.mark.parametrize("text", ["a\x85b\u2028c\u2029d\re\nf", "你\x85好", "你\u2028好", "你\u2029好"])
+def test_sse_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks(text):
+    # A model may generate any of them, alone or together, in non-ASCII text or not.
     event = sse_event({"text": text}).decode()
     lines = event.splitlines()
     assert len(lines) == 2 and lines[1] == ""
