@@ -7,7 +7,7 @@ then 8 streams for 48 requests, engine-direct. `--keep-replies` counts every rep
 keeping, as placement did before `Retention.reused` (a slot then holds its reply alone, so
 no copy brings the 8 streams together). `--as-gpu` makes the engine's GPU choices on this
 CPU (no aligned prompt blocks, decode runs of 8, gaps of up to 64 streams filled) so that
-`Context.run_timing` reports the gap rows a GPU step would carry.
+the engine's step timer reports the gap rows a GPU step would carry (`Context.run_timing`).
 
     python bench/probe_stream_packing.py [--keep-replies] [--as-gpu] [--threads 2]"""
 from __future__ import annotations
@@ -59,19 +59,19 @@ def main() -> None:
 
     async def busy_then_few() -> float:
         await _level(engine, prompts, 64, 128, pick)
-        engine.ctx.run_timing()
         engine.timer.reset()
         return await _level(engine, prompts, 8, 48, pick)
 
     try:
         seconds = asyncio.run(busy_then_few())
-        timing = engine.ctx.run_timing()
     finally:
         engine.shutdown()
+    timing = engine.timer.summary()
+    run_ms = timing.get("run_ms_by_part", {}).get("llama_decode", 0.0)
     print(f"keep_replies={args.keep_replies} as_gpu={args.as_gpu}: 8 streams, 48 requests "
-          f"{seconds:.2f} s, {engine.timer.steps} steps; decode runs: {timing['steps']} steps, "
-          f"{timing['decode_ms']:.1f} ms in llama_decode, {timing['gap_rows']:.1f} gap rows "
-          "a step")
+          f"{seconds:.2f} s, {engine.timer.steps} steps; decode runs: {engine.timer.run_steps} "
+          f"steps, {run_ms:.1f} ms in llama_decode, "
+          f"{timing.get('gap_rows_per_run_step', 0.0):.1f} gap rows a step")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ steps (decode + sampling in the core, masks applied) and, for the constrained ru
 spent filling masks (with the GPU engine's overlap: handing them to their thread) and advancing
 matchers. The shares are measured within the same steps, so a busy machine slows both sides
 alike. Decode runs (a GPU engine's; `--decode-steps` elsewhere) are timed by the core
-(`Context.run_timing`): llama_decode, after_step, sampling, per step. `--in-turn` also runs
+(`Context.run_timing`, as the engine's step timer sums it): llama_decode, after_step, sampling,
+per step. `--in-turn` also runs
 the masks filled on the engine thread before each step (the CPU engine's way) rather than on
 their own thread while it decodes.
 
@@ -23,6 +24,7 @@ from cllm.bench.prompts import DEFAULT_PROMPTS, TICKET_SCHEMA, ticket
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
 from cllm.models import resolve_model
+from cllm.steptimer import RUN_PARTS, since, summarize
 from cllm.structured import MaskFiller
 
 LEVELS = (1, 8, 32)
@@ -66,7 +68,7 @@ class TimedContext:
 
 
 def measure(engine: Engine, level: int, grammar, lengths: list[int]) -> dict:
-    engine.ctx.run_timing()  # from here on
+    before = engine.timer.snapshot()  # the decode runs' timing from here on
     engine.ctx = TimedContext(engine.ctx)
     step, fill = engine.ctx.step, Timed(engine._masks.fill)
     advance = Timed(engine._advance_matchers)
@@ -81,11 +83,12 @@ def measure(engine: Engine, level: int, grammar, lengths: list[int]) -> dict:
     counts = asyncio.run(run())
     wall = time.perf_counter() - start
     engine.ctx, engine._masks.fill, engine._advance_matchers = engine.ctx.ctx, fill.fn, advance.fn
-    timing = engine.ctx.run_timing()
+    runs = since(engine.timer.snapshot(), before)
+    timing = {"steps": runs["run_steps"],
+              **summarize(runs).get("run_ms_by_part", dict.fromkeys(RUN_PARTS, 0.0))}
     # a step is a Context.step call or one step of a decode run (whose masks fill in after_step)
     steps = max(1, step.calls + timing["steps"])
-    run_seconds = timing["steps"] * (timing["decode_ms"] + timing["after_step_ms"]
-                                     + timing["sample_ms"]) / 1000
+    run_seconds = sum(runs["run"].values())
     return {"counts": counts, "tokens": sum(counts), "wall_s": wall, "steps": steps, "run": timing,
             "step_ms": 1000 * (step.seconds + run_seconds) / steps,
             "masks_ms": 1000 * fill.seconds / steps,
@@ -132,7 +135,7 @@ def report(level: int, mode: str, r: dict) -> None:
     print(f"{level:5d}  {mode:19s}  {r['tokens']:6d}  {r['tokens'] / r['wall_s']:5.0f}  "
           f"{r['steps']:5d}  {r['step_ms']:7.1f}  {r['masks_ms']:8.2f}  "
           f"{r['matchers_ms']:11.2f}  {share:5.1%}  | {run['steps']:10d}  "
-          f"{run['decode_ms']:9.2f}  {run['after_step_ms']:13.2f}  {run['sample_ms']:9.2f}",
+          f"{run['llama_decode']:9.2f}  {run['after_step']:13.2f}  {run['sample']:9.2f}",
           flush=True)
 
 

@@ -308,6 +308,7 @@ class Engine:
             timer.lap("schedule")
             result = self._decode_run(out, rows, n_steps)
             timer.lap("decode")
+            timer.add_run(self.ctx.run_timing())
             now = time.monotonic()  # the tokens exist from here on: TTFT and ITL count to it
             got, forward_steps = [], 0
             if result is not None:

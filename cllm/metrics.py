@@ -84,11 +84,17 @@ class Metrics:
 # over any interval, as the benchmark does engine-direct (`steptimer.summarize` of the difference
 # of two scrapes: `step_timer_counts`).
 ENGINE_PHASE_COUNTER = "cllm_engine_step_phase_seconds"
+ENGINE_RUN_COUNTER = "cllm_engine_run_seconds"
 ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
     "steps": ("cllm_engine_steps", "Calls into the core (a decode run is one)"),
     "rows": ("cllm_engine_step_rows", "Rows those calls carried"),
     "forward_steps": ("cllm_engine_forward_steps", "Forward steps computed (a run's several)"),
+    "run_steps": ("cllm_engine_run_steps", "Forward steps of decode runs, timed by the core"),
+    "gap_rows": ("cllm_engine_run_gap_rows",
+                 "Placeholder rows those steps carried between split streams"),
 }
+# A snapshot's seconds by label: its key, the counter, the label.
+_LABELLED = {"totals": (ENGINE_PHASE_COUNTER, "phase"), "run": (ENGINE_RUN_COUNTER, "part")}
 
 
 class _EngineSteps:
@@ -102,6 +108,11 @@ class _EngineSteps:
         for phase, seconds in counts["totals"].items():
             phases.add_metric([phase], seconds)
         yield phases
+        parts = CounterMetricFamily(ENGINE_RUN_COUNTER, "Time of decode runs' forward steps "
+                                    "in the core by part", labels=["part"])
+        for part, seconds in counts["run"].items():
+            parts.add_metric([part], seconds)
+        yield parts
         for key, (name, help_) in ENGINE_STEP_COUNTERS.items():
             yield CounterMetricFamily(name, help_, value=counts[key])
 
@@ -109,17 +120,19 @@ class _EngineSteps:
 def step_timer_counts(exposition: str) -> dict | None:
     """A step timer snapshot from a /metrics text, summed over replicas where a scale-out
     front merged several (None if it has none: another server)."""
-    counts: dict = {"totals": {}}
+    counts: dict = {key: {} for key in _LABELLED}
+    labelled = {name + "_total": (key, label) for key, (name, label) in _LABELLED.items()}
     names = {name + "_total": key for key, (name, _) in ENGINE_STEP_COUNTERS.items()}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            if sample.name == ENGINE_PHASE_COUNTER + "_total":
-                phase = sample.labels["phase"]
-                counts["totals"][phase] = counts["totals"].get(phase, 0.0) + sample.value
+            if sample.name in labelled:
+                key, label = labelled[sample.name]
+                seconds = counts[key]
+                seconds[sample.labels[label]] = seconds.get(sample.labels[label], 0.0) + sample.value
             elif sample.name in names:
                 key = names[sample.name]
                 counts[key] = counts.get(key, 0) + int(sample.value)
-    return counts if len(counts) == 1 + len(ENGINE_STEP_COUNTERS) else None
+    return counts if len(counts) == len(_LABELLED) + len(ENGINE_STEP_COUNTERS) else None
 
 
 def merge(expositions: Mapping[str, bytes]) -> bytes:

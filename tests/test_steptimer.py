@@ -31,3 +31,25 @@ def test_a_snapshot_does_not_move_with_the_timer():
     timer.lap("decode")
     timer.end(rows=1)
     assert snapshot["steps"] == 0 and snapshot["totals"]["decode"] < timer.totals["decode"]
+
+
+def test_decode_runs_timing_adds_up_over_calls_and_reads_per_forward_step():
+    timer = StepTimer()
+    first = timer.snapshot()
+    for ms in (2.0, 4.0):  # two runs of 8 forward steps, as Context.run_timing reports them
+        timer.add_run({"steps": 8, "decode_ms": ms, "after_step_ms": 0.0, "sample_ms": 1.0,
+                       "gap_rows": 1.5})
+        timer.end(rows=6, forward_steps=8)
+    between = since(timer.snapshot(), first)
+    assert between["run_steps"] == 16 and between["gap_rows"] == 24
+    summary = summarize(between)
+    assert summary["run_ms_by_part"] == {"llama_decode": 3.0, "after_step": 0.0, "sample": 1.0}
+    assert summary["gap_rows_per_run_step"] == 1.5
+
+
+def test_without_decode_runs_there_is_no_run_timing():
+    timer = StepTimer()
+    timer.start()
+    timer.lap("decode")
+    timer.end(rows=1)
+    assert "run_ms_by_part" not in timer.summary()

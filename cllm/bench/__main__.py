@@ -192,6 +192,10 @@ def _print_run(run: dict) -> None:
         phases = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in steps.items() if k.endswith("_ms"))
         say(f"  engine thread: {steps['steps']} calls, {steps['rows_per_step']:.1f} rows and "
             f"{steps['forward_steps_per_step']:.1f} forward steps a call; ms a call: {phases}")
+        if "run_ms_by_part" in steps:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in steps["run_ms_by_part"].items())
+            say(f"  engine thread, decode runs' forward steps in the core, ms each: {parts}; "
+                f"{steps['gap_rows_per_run_step']:.1f} gap rows each")
 
 
 if __name__ == "__main__":

@@ -154,3 +154,20 @@ def test_each_started_peer_records_its_own_kv_layout(monkeypatch, tmp_path):
     assert {name: s["kv"] for name, s in data["servers"].items()} == {
         "llama-server-split": "split", "llama-server-unified": "unified"}
     assert "peer_kv_unified" not in bench_main._settings(args)["server"]
+
+
+def test_a_levels_line_says_where_the_engine_threads_time_went(capsys):
+    from cllm.steptimer import StepTimer, summarize
+    timer = StepTimer()
+    timer.start()
+    timer.lap("decode")
+    timer.add_run({"steps": 8, "decode_ms": 4.0, "after_step_ms": 0.0, "sample_ms": 0.5,
+                   "gap_rows": 1.0})
+    timer.end(rows=64, forward_steps=8)
+    metrics = {"completed": 1, "failed": 0, "resent": 0, "output_throughput": 100.0,
+               "ttft_ms": {"p50": 10.0}, "cached_share": None}
+    bench_main._print_run({"server": "cllm", "level": "c=64", "metrics": metrics,
+                           "engine_steps": summarize(timer.snapshot())})
+    err = capsys.readouterr().err
+    assert "1 calls, 64.0 rows and 8.0 forward steps a call" in err
+    assert "llama_decode 4.00, after_step 0.00, sample 0.50; 1.0 gap rows each" in err
