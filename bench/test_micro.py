@@ -109,6 +109,23 @@ def test_schedule_256_running(benchmark):
     benchmark(step)
 
 
+def test_schedule_and_account_a_decode_run_at_64(benchmark):
+    """Planning a call of 64 decoding sequences and accounting for its decode run of 8 steps
+    (Scheduler.postprocess_run), as a GPU engine does between runs."""
+    sched = Scheduler(max_seqs=64, token_budget=512, kv_capacity=1 << 24, max_queue=64)
+    for i in range(64):
+        sched.add(Sequence(f"r{i}", [1] * 16, SamplingParams(max_tokens=1 << 24), 0.0))
+    out = sched.schedule(0.0)
+    sched.postprocess(out, [7] * len(out.chunks), 0.0)
+    tokens = array("i", [7] * 64 * 8)
+
+    def call():
+        plan = sched.schedule(1.0)
+        sched.postprocess_run(plan, tokens, [8] * len(plan.chunks), 8, 1.0)
+
+    benchmark(call)
+
+
 def test_prefix_match_over_128_slots_of_a_shared_document(benchmark):
     """Finding the longest cached prefix of a new request among 128 idle slots that each hold
     the same 1,400-token document, a question and a reply (one pool of 64 streams' seq ids)."""
@@ -159,6 +176,33 @@ def test_engine_step_overhead_at_32(benchmark, model):
         return engine.timer.summary()
 
     summary = benchmark.pedantic(run, rounds=3)
+    benchmark.extra_info.update(summary)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("interval", [1, None], ids=["delta-a-token", "delta-a-run"])
+def test_engine_python_around_decode_runs_at_64(benchmark, model, interval):
+    """The engine thread's Python a call into the core at 64 sequences in decode runs of 8, as
+    on a GPU: the timer's schedule_ms and postprocess_ms in extra_info (on a GPU a forward step
+    of the 1B shape is ~5 ms, so each millisecond here is a few percent of its throughput)."""
+    engine = Engine(EngineConfig(n_ctx=64 * 128, n_parallel=64, decode_steps=8,
+                                 kv_unified=False), str(resolve_model()))
+
+    async def load():
+        streams = [engine.submit(model.tokenize(f"Story {i}:"),
+                                 SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+                                 stream_interval=interval)
+                   for i in range(64)]
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    def run():
+        engine.timer.reset()
+        asyncio.run(load())
+        return engine.timer.summary()
+
+    summary = benchmark.pedantic(run, rounds=2)
     benchmark.extra_info.update(summary)
     engine.shutdown()
 

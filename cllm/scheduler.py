@@ -184,21 +184,20 @@ class Scheduler:
     def postprocess_run(self, out: SchedulerOutput, tokens, counts, n_steps: int,
                         now: float) -> list[tuple[int, int]]:
         """Account for a decode run (Context.decode_run) over decode-only chunks: chunk i fed
-        and got `counts[i]` tokens, at tokens[i * n_steps:]. Returns (chunk index, number kept),
-        a sequence keeping the tokens up to the one that ended it."""
+        and got `counts[i]` tokens, at tokens[i * n_steps:]. Returns (chunk index, number
+        kept). The core ends a row only at its budget (`decode_budget` when the run was
+        planned) or after an end-of-generation token, so only a row's last token can end its
+        sequence: the others are appended without a check."""
         got = []
         for i, chunk in enumerate(out.chunks):
-            seq = chunk.seq
-            if seq.is_finished or counts[i] == 0:
+            seq, count = chunk.seq, counts[i]
+            if seq.is_finished or count == 0:
                 continue
-            self._computed(seq, counts[i])
-            kept = 0
-            for token in tokens[i * n_steps:i * n_steps + counts[i]]:
-                self._append(seq, token, now)
-                kept += 1
-                if seq.is_finished:
-                    break
-            got.append((i, kept))
+            self._computed(seq, count)
+            start = i * n_steps
+            seq.output_token_ids += tokens[start:start + count - 1]
+            self._append(seq, tokens[start + count - 1], now)
+            got.append((i, count))
         return got
 
     def drop_last_tokens(self, seq: Sequence, n: int) -> None:

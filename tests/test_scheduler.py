@@ -342,3 +342,22 @@ def test_cache_prompt_false_neither_reads_nor_leaves_a_cached_prefix():
     sched.add(later)
     run_step(sched)
     assert later.num_cached_tokens == 40
+
+
+def test_a_decode_runs_tokens_end_a_sequence_only_at_a_rows_last():
+    """As the core runs them: a row stops at its budget or after an end token."""
+    sched = make_scheduler(max_seqs=3)
+    budget, eos, going = make_seq(4, max_tokens=4), make_seq(4), make_seq(4)
+    for seq in (budget, eos, going):
+        sched.add(seq)
+    run_step(sched)  # the prompts and a first token each
+    out = sched.schedule(1.0)
+    assert [c.seq for c in out.chunks] == [budget, eos, going]
+    n_steps = 4
+    tokens = [5, 6, 7, 0] + [8, EOS, 0, 0] + [9, 10, 11, 12]  # rows' tokens, n_steps apart
+    got = sched.postprocess_run(out, tokens, [3, 2, 4], n_steps, 1.0)
+    assert got == [(0, 3), (1, 2), (2, 4)]
+    assert budget.output_token_ids == [7, 5, 6, 7] and budget.finish_reason == FINISH_LENGTH
+    assert eos.output_token_ids == [7, 8, EOS] and eos.finish_reason == FINISH_STOP
+    assert going.output_token_ids == [7, 9, 10, 11, 12] and not going.is_finished
+    assert going.num_computed_tokens == going.num_tokens - 1
