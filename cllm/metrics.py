@@ -127,8 +127,8 @@ def step_timer_counts(exposition: str) -> dict | None:
         for sample in family.samples:
             if sample.name in labelled:
                 key, label = labelled[sample.name]
-                seconds = counts[key]
-                seconds[sample.labels[label]] = seconds.get(sample.labels[label], 0.0) + sample.value
+                name = sample.labels[label]
+                counts[key][name] = counts[key].get(name, 0.0) + sample.value
             elif sample.name in names:
                 key = names[sample.name]
                 counts[key] = counts.get(key, 0) + int(sample.value)

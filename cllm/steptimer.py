@@ -59,11 +59,11 @@ class StepTimer:
                 "forward_steps": self.forward_steps, "run": dict(self.run),
                 "run_steps": self.run_steps, "gap_rows": self.gap_rows}
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict:
         return summarize(self.snapshot())
 
 
-def summarize(counts: dict) -> dict[str, float]:
+def summarize(counts: dict) -> dict:
     """Mean milliseconds per step for each phase, the share outside decode, rows and forward
     steps per call into the core; if decode runs ran, the core's milliseconds per forward step
     of theirs by part and their placeholder rows; from a snapshot, or the difference of two."""
@@ -78,7 +78,7 @@ def summarize(counts: dict) -> dict[str, float]:
     run_steps = counts.get("run_steps", 0)
     if run_steps:  # ms a forward step of the runs, as the core timed it
         result["run_ms_by_part"] = {part: 1000 * seconds / run_steps
-                                 for part, seconds in counts["run"].items()}
+                                    for part, seconds in counts["run"].items()}
         result["gap_rows_per_run_step"] = counts["gap_rows"] / run_steps
     return result
 

@@ -101,7 +101,8 @@ def test_sse_framing_is_exact():
     assert sse_event("[DONE]") == b"data: [DONE]\n\n"
 
 
-@pytest.mark.parametrize("text", ["a\x85b\u2028c\u2029d\re\nf", "你\x85好", "你\u2028好", "你\u2029好"])
+@pytest.mark.parametrize("text", ["a\x85b\u2028c\u2029d\re\nf",
+                                  "你\x85好", "你\u2028好", "你\u2029好"])
 def test_sse_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks(text):
     # A model may generate any of them, alone or together, in non-ASCII text or not.
     event = sse_event({"text": text}).decode()
