@@ -25,16 +25,23 @@ class StepTimer:
         self.run_steps = 0
         self.gap_rows = 0
         self._last = 0.0
+        # This step's laps, counted at end(): a step that calls nothing (it scheduled no
+        # chunk) never ends, and start() drops them, so the phases stay "ms a call".
+        self._laps: dict[str, float] = defaultdict(float)
 
     def start(self) -> None:
+        self._laps.clear()
         self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        self.totals[phase] += now - self._last
+        self._laps[phase] += now - self._last
         self._last = now
 
     def end(self, rows: int, forward_steps: int = 1) -> None:
+        for phase, seconds in self._laps.items():
+            self.totals[phase] += seconds
+        self._laps.clear()
         self.steps += 1
         self.rows += rows
         self.forward_steps += forward_steps

@@ -27,10 +27,23 @@ def test_a_snapshot_does_not_move_with_the_timer():
     timer = StepTimer()
     timer.start()
     timer.lap("decode")
+    timer.end(rows=1)
     snapshot = timer.snapshot()
+    timer.start()
     timer.lap("decode")
     timer.end(rows=1)
-    assert snapshot["steps"] == 0 and snapshot["totals"]["decode"] < timer.totals["decode"]
+    assert snapshot["steps"] == 1 and snapshot["totals"]["decode"] < timer.totals["decode"]
+
+
+def test_a_step_that_calls_nothing_counts_no_time():
+    """The engine laps its inbox before it knows whether the step has anything to decode."""
+    timer = StepTimer()
+    timer.start()
+    timer.lap("inbox")  # ... and the step scheduled no chunk: no end()
+    timer.start()
+    timer.lap("decode")
+    timer.end(rows=2)
+    assert set(timer.totals) == {"decode"} and timer.steps == 1
 
 
 def test_decode_runs_timing_adds_up_over_calls_and_reads_per_forward_step():
