@@ -88,7 +88,7 @@ def measure(engine: Engine, level: int, grammar, lengths: list[int]) -> dict:
               **summarize(runs).get("run_ms_by_part", dict.fromkeys(RUN_PARTS, 0.0))}
     # a step is a Context.step call or one step of a decode run (whose masks fill in after_step)
     steps = max(1, step.calls + timing["steps"])
-    run_seconds = sum(runs["run"].values())
+    run_seconds = sum(runs["run"].get(part, 0.0) for part in RUN_PARTS)  # the core's parts
     return {"counts": counts, "tokens": sum(counts), "wall_s": wall, "steps": steps, "run": timing,
             "step_ms": 1000 * (step.seconds + run_seconds) / steps,
             "masks_ms": 1000 * fill.seconds / steps,

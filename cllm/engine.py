@@ -307,8 +307,7 @@ class Engine:
             rows = RunRows.build(out, self.scheduler)
             timer.lap("schedule")
             result = self._decode_run(out, rows, n_steps)
-            timer.lap("decode")
-            timer.add_run(self.ctx.run_timing())
+            timer.add_run(self.ctx.run_timing(), timer.lap("decode"))
             now = time.monotonic()  # the tokens exist from here on: TTFT and ITL count to it
             got, forward_steps = [], 0
             if result is not None:

@@ -89,7 +89,7 @@ ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
     "steps": ("cllm_engine_steps", "Calls into the core (a decode run is one)"),
     "rows": ("cllm_engine_step_rows", "Rows those calls carried"),
     "forward_steps": ("cllm_engine_forward_steps", "Forward steps computed (a run's several)"),
-    "run_steps": ("cllm_engine_run_steps", "Forward steps of decode runs, timed by the core"),
+    "run_steps": ("cllm_engine_run_steps", "Forward steps of decode runs"),
     "gap_rows": ("cllm_engine_run_gap_rows",
                  "Placeholder rows those steps carried between split streams"),
 }
@@ -108,8 +108,9 @@ class _EngineSteps:
         for phase, seconds in counts["totals"].items():
             phases.add_metric([phase], seconds)
         yield phases
-        parts = CounterMetricFamily(ENGINE_RUN_COUNTER, "Time of decode runs' forward steps "
-                                    "in the core by part", labels=["part"])
+        parts = CounterMetricFamily(ENGINE_RUN_COUNTER, "Decode runs' calls by part: the "
+                                    "core's llama_decode, after_step and sample, and outside "
+                                    "them", labels=["part"])
         for part, seconds in counts["run"].items():
             parts.add_metric([part], seconds)
         yield parts

@@ -1,7 +1,8 @@
 """Where an engine step's time goes: the inbox (admitting and aborting requests), scheduling,
-decode+sample (C), postprocess, hand-off; and inside decode runs, as the core times them, what
-a forward step spends in llama_decode, in after_step and in sampling (on a GPU: waiting for the
-step), and the placeholder rows it carries between split streams.
+decode+sample (C), postprocess, hand-off; and for the calls that are decode runs, what their
+forward steps spend in the core as it times them (llama_decode, after_step, sampling: on a GPU
+the wait for the step), what their decode laps hold beyond that ("outside": the Python around
+the core's run, the GIL's hand-back), and the placeholder rows they carry between split streams.
 
 Cumulative, so a benchmark can read the split over many steps; a few perf_counter calls a step.
 A "step" here is one call into the core: a decode run computes several forward steps in it."""
@@ -25,35 +26,47 @@ class StepTimer:
         self.run_steps = 0
         self.gap_rows = 0
         self._last = 0.0
-        # This step's laps, counted at end(): a step that calls nothing (it scheduled no
-        # chunk) never ends, and start() drops them, so the phases stay "ms a call".
+        # This step's laps and run, counted at end(): a step that calls nothing (it scheduled
+        # no chunk) never ends, and start() drops them, so every figure stays "of calls".
         self._laps: dict[str, float] = defaultdict(float)
+        self._run: tuple[dict[str, float], int, int] | None = None
 
     def start(self) -> None:
         self._laps.clear()
+        self._run = None
         self._last = time.perf_counter()
 
-    def lap(self, phase: str) -> None:
+    def lap(self, phase: str) -> float:
+        """Close the phase that ran since the last lap; returns its seconds."""
         now = time.perf_counter()
-        self._laps[phase] += now - self._last
+        seconds = now - self._last
+        self._laps[phase] += seconds
         self._last = now
+        return seconds
+
+    def add_run(self, timing: dict, call_seconds: float) -> None:
+        """This call's decode run as `Context.run_timing()` times it (means a forward step, made
+        totals again so that they add up over calls), and as "outside" what the call's decode
+        lap (`call_seconds`) holds beyond those parts."""
+        steps = timing["steps"]
+        parts = {part: timing[key] * steps / 1000 for part, key in RUN_PARTS.items()}
+        parts["outside"] = call_seconds - sum(parts.values())
+        self._run = (parts, steps, round(timing["gap_rows"] * steps))  # gap rows: a count
 
     def end(self, rows: int, forward_steps: int = 1) -> None:
         for phase, seconds in self._laps.items():
             self.totals[phase] += seconds
         self._laps.clear()
+        if self._run is not None:
+            parts, steps, gap_rows = self._run
+            for part, seconds in parts.items():
+                self.run[part] += seconds
+            self.run_steps += steps
+            self.gap_rows += gap_rows
+            self._run = None
         self.steps += 1
         self.rows += rows
         self.forward_steps += forward_steps
-
-    def add_run(self, timing: dict) -> None:
-        """What `Context.run_timing()` says of the runs since it was last read: means per forward
-        step, made totals again so that they add up over calls."""
-        steps = timing["steps"]
-        for part, key in RUN_PARTS.items():
-            self.run[part] += timing[key] * steps / 1000
-        self.run_steps += steps
-        self.gap_rows += round(timing["gap_rows"] * steps)  # a count: the mean times the steps
 
     def reset(self) -> None:
         self.totals.clear()
@@ -72,8 +85,9 @@ class StepTimer:
 
 def summarize(counts: dict) -> dict:
     """Mean milliseconds per step for each phase, the share outside decode, rows and forward
-    steps per call into the core; if decode runs ran, the core's milliseconds per forward step
-    of theirs by part and their placeholder rows; from a snapshot, or the difference of two."""
+    steps per call into the core; if decode runs ran, the milliseconds a forward step of theirs
+    by part (the core's, and outside it) and their placeholder rows; from a snapshot, or the
+    difference of two."""
     steps = max(counts["steps"], 1)
     totals = counts["totals"]
     result = {f"{phase}_ms": 1000 * total / steps for phase, total in totals.items()}
@@ -83,7 +97,7 @@ def summarize(counts: dict) -> dict:
     result["forward_steps_per_step"] = counts["forward_steps"] / steps
     result["overhead_share"] = 1 - totals.get("decode", 0.0) / total if total else 0.0
     run_steps = counts.get("run_steps", 0)
-    if run_steps:  # ms a forward step of the runs, as the core timed it
+    if run_steps:  # ms a forward step of the runs
         result["run_ms_by_part"] = {part: 1000 * seconds / run_steps
                                     for part, seconds in counts["run"].items()}
         result["gap_rows_per_run_step"] = counts["gap_rows"] / run_steps

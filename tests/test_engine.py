@@ -241,10 +241,11 @@ def test_decode_runs_in_c_give_the_same_tokens_and_stop_at_eog(model_path, alone
                                        temperature=0, ignore_eos=True))
         assert [tokens for _, tokens, _ in results] == [tokens for _, tokens, _ in alone[:16]]
         assert multi.timer.steps < MAX_TOKENS  # runs happened: one step a token would need more
-        # and the step timer has the core's timing of their forward steps
+        # and the step timer has the core's timing of their forward steps, within their laps
         timer = multi.timer
         assert timer.steps < timer.run_steps <= timer.forward_steps
         assert timer.run["llama_decode"] > 0 and timer.run["sample"] > 0
+        assert 0 < timer.run["outside"] < timer.totals["decode"] - timer.run["llama_decode"]
         chat = multi.model.tokenize(CHAT_PROMPT, parse_special=True)
         deltas = collect(multi, chat, max_tokens=200, temperature=0)
         assert deltas[-1].finish_reason == FINISH_STOP

@@ -194,7 +194,7 @@ def _print_run(run: dict) -> None:
             f"{steps['forward_steps_per_step']:.1f} forward steps a call; ms a call: {phases}")
         if "run_ms_by_part" in steps:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in steps["run_ms_by_part"].items())
-            say(f"  engine thread, decode runs' forward steps in the core, ms each: {parts}; "
+            say(f"  engine thread, decode runs, ms a forward step: {parts}; "
                 f"{steps['gap_rows_per_run_step']:.1f} gap rows each")
 
 
