@@ -297,6 +297,7 @@ class Engine:
         outbox = _Outbox()
         for seq in out.expired:
             self._send_final(seq, outbox)
+        timer.lap("schedule")
         self._prepare_sequences(out)
         if not out.chunks:
             outbox.deliver()
@@ -305,7 +306,7 @@ class Engine:
         self._apply_kv_ops(self.scheduler.take_kv_ops())  # evictions that make room for a run
         if n_steps > 1:
             rows = RunRows.build(out, self.scheduler)
-            timer.lap("schedule")
+            timer.lap("prepare")
             result = self._decode_run(out, rows, n_steps)
             timer.add_run(self.ctx.run_timing(), timer.lap("decode"))
             now = time.monotonic()  # the tokens exist from here on: TTFT and ITL count to it
@@ -319,7 +320,7 @@ class Engine:
             self._run_ahead = bool(got)  # a run that made no token (KV full) is not retried
         else:
             rows = StepRows.build(out)
-            timer.lap("schedule")
+            timer.lap("prepare")
             result = self._decode(out, rows, outbox)
             timer.lap("decode")
             now = time.monotonic()

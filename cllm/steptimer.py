@@ -1,5 +1,6 @@
-"""Where an engine step's time goes: the inbox (admitting and aborting requests), scheduling,
-decode+sample (C), postprocess, hand-off; and for the calls that are decode runs, what their
+"""Where an engine step's time goes: the inbox (admitting and aborting requests), scheduling
+(the scheduler's plan), preparing (samplers of started sequences, KV operations, the rows'
+arrays), decode+sample (C), postprocess, hand-off; and for the calls that are decode runs, what their
 forward steps spend in the core as it times them (llama_decode, after_step, sampling: on a GPU
 the wait for the step), what their decode laps hold beyond that ("outside": the Python around
 the core's run, the GIL's hand-back), and the placeholder rows they carry between split streams.

@@ -970,7 +970,7 @@ def test_metrics_say_where_the_engine_threads_time_went(http):
     steps = steptimer.summarize(steptimer.since(counts(), before))
     assert steps["steps"] >= 5  # the prompt's step, then a call for each of four decodes or fewer
     assert steps["forward_steps_per_step"] >= 1 and steps["rows_per_step"] >= 1
-    phases = {"inbox", "schedule", "decode", "postprocess", "handoff"}
+    phases = {"inbox", "schedule", "prepare", "decode", "postprocess", "handoff"}
     assert {key for key in steps if key.endswith("_ms")} == {f"{p}_ms" for p in phases}
     assert steps["decode_ms"] > 0
 
