@@ -1,9 +1,10 @@
 """Where an engine step's time goes: the inbox (admitting and aborting requests), scheduling
 (the scheduler's plan), preparing (samplers of started sequences, KV operations, the rows'
-arrays), decode+sample (C), postprocess, hand-off; and for the calls that are decode runs, what their
-forward steps spend in the core as it times them (llama_decode, after_step, sampling: on a GPU
-the wait for the step), what their decode laps hold beyond that ("outside": the Python around
-the core's run, the GIL's hand-back), and the placeholder rows they carry between split streams.
+arrays), decode+sample (C), postprocess, hand-off; and for the calls that are decode runs,
+what their forward steps spend in the core as it times them (llama_decode, after_step,
+sampling: on a GPU the wait for the step), what their decode laps hold beyond that
+("outside": the Python around the core's run, the GIL's hand-back), and the placeholder rows
+they carry between split streams.
 
 Cumulative, so a benchmark can read the split over many steps; a few perf_counter calls a step.
 A "step" here is one call into the core: a decode run computes several forward steps in it."""
