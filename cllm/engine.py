@@ -14,6 +14,7 @@ from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cllm import _core, structured
 from cllm.config import EngineConfig, SamplingParams
@@ -58,16 +59,28 @@ class Delta:
     timings: dict[str, float] | None = None
 
 
+class StepTokens(NamedTuple):
+    """What one step gave a request, as the engine thread hands it to the request's stream:
+    one item a sequence a step, however many tokens a decode run made (the stream interval
+    splits them on the stream's event loop, off the engine thread)."""
+    token_ids: list[int]
+    texts: list[str]  # each token's text, after the stop-string hold-back
+    logprobs: list[TokenLogprob] | None
+    # At the end: reason, usage and timings; its text is the text held back till the end.
+    final: Delta | None = None
+
+
 class RequestStream:
-    """An async iterator of Deltas for one sequence. Leaving it early aborts the sequence."""
+    """An async iterator of Deltas for one sequence, each of at most `stream_interval` tokens
+    (cllm/pending.py). Leaving it early aborts the sequence."""
 
     def __init__(self, engine: Engine, seq: Sequence,
                  on_end: Callable[[Delta], None] | None = None,
                  stream_interval: int | None = None) -> None:
         self.seq = seq
-        self.stream_interval = stream_interval
         self._engine = engine
         self._on_end = on_end
+        self._pending = PendingTokens(stream_interval, logprobs=seq.sampling.logprobs is not None)
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._done = False
@@ -101,12 +114,24 @@ class RequestStream:
         if not self._done:
             self._engine.abort(self.seq)
 
-    def _deliver(self, delta: Delta) -> None:
-        """On the stream's event loop: queue the delta, and hand a final one to `on_end`, read
-        or not (a client that left still ends its sequence, with reason 'abort')."""
-        self._queue.put_nowait(delta)
-        if delta.finish_reason is not None and self._on_end is not None:
-            self._on_end(delta)
+    def _deliver(self, step: StepTokens) -> None:
+        """On the stream's event loop: queue the deltas the step's tokens make due, and at the
+        end the rest, the final one also handed to `on_end`, read or not (a client that left
+        still ends its sequence, with reason 'abort')."""
+        pending = self._pending
+        pending.add(step.token_ids, step.texts, step.logprobs)
+        if step.final is None:
+            for group in pending.due():
+                self._queue.put_nowait(Delta(*group))
+            return
+        *groups, last = pending.rest(step.final.text)
+        for group in groups:
+            self._queue.put_nowait(Delta(*group))
+        final = step.final
+        final.text, final.token_ids, final.logprobs = last
+        self._queue.put_nowait(final)
+        if self._on_end is not None:
+            self._on_end(final)
 
 
 class Engine:
@@ -282,12 +307,12 @@ class Engine:
             self.scheduler.add(seq)
         except (QueueFullError, ValueError) as exc:
             seq.finish_reason = "queue_full" if isinstance(exc, QueueFullError) else FINISH_ERROR
-            outbox.add(stream, Delta("", [], finish_reason=seq.finish_reason, error=str(exc)))
+            outbox.add(stream, _ending(Delta("", [], finish_reason=seq.finish_reason,
+                                             error=str(exc))))
             return
         grammar = seq.sampling.grammar
         self._live[seq] = _Live(stream, TextStream(seq.sampling.stop),
-                                PendingTokens(stream.stream_interval,
-                                              logprobs=seq.sampling.logprobs is not None),
+                                logprobs=[] if seq.sampling.logprobs is not None else None,
                                 matcher=grammar.matcher() if grammar is not None else None)
 
     def _step(self) -> None:
@@ -510,13 +535,13 @@ class Engine:
                 seq = out.chunks[i].seq
                 if seq.sampling.logprobs is not None:
                     chosen, top = logprobs.row(i)
-                    self._live[seq].pending.logprobs.append(
+                    self._live[seq].logprobs.append(
                         TokenLogprob(seq.output_token_ids[-1], chosen, top))
         return got
 
     def _emit(self, out: SchedulerOutput, got, now: float, outbox: _Outbox) -> None:
-        """The tokens each sequence got and their text (held back at a stop string), sent in
-        the deltas its stream interval makes due."""
+        """The tokens each sequence got and their text (held back at a stop string), one item
+        a sequence for its stream."""
         for i, kept in got:
             seq = out.chunks[i].seq
             live = self._live[seq]
@@ -526,14 +551,13 @@ class Engine:
                 self.scheduler.drop_last_tokens(seq, len(new_tokens) - len(texts))
                 new_tokens = new_tokens[:len(texts)]
             self.tokens_generated += len(new_tokens)
-            live.pending.add(new_tokens, texts)
+            step = StepTokens(new_tokens, texts, live.take_logprobs())
             if live.text.stopped:
                 self.scheduler.finish(seq, FINISH_STOP, now)
             if seq.is_finished:
-                self._send_final(seq, outbox)
+                self._send_final(seq, outbox, step)
             else:
-                for group in live.pending.due():
-                    outbox.add(live.stream, Delta(*group))
+                outbox.add(live.stream, step)
 
     def _texts_of(self, text: TextStream, tokens: list[int]) -> list[str]:
         """The text each of `tokens` adds, up to the one that completes a stop string, if one
@@ -549,16 +573,14 @@ class Engine:
         self.scheduler.finish(seq, reason, time.monotonic(), error)
         self._send_final(seq, outbox)
 
-    def _send_final(self, seq: Sequence, outbox: _Outbox) -> None:
-        """What is pending, in the deltas of the stream interval; the last one final."""
+    def _send_final(self, seq: Sequence, outbox: _Outbox, step: StepTokens | None = None) -> None:
+        """The sequence's end, with its last step's tokens (if any) and the text held back."""
         live = self._live.pop(seq)
-        *groups, last = live.pending.rest(live.text.flush())
-        for group in groups:
-            outbox.add(live.stream, Delta(*group))
-        outbox.add(live.stream, Delta(
-            *last, finish_reason=seq.finish_reason,
-            error=seq.error, prompt_tokens=seq.num_prompt_tokens,
-            cached_tokens=seq.num_cached_tokens, completion_tokens=seq.num_output_tokens, timings=seq.timings()))
+        step = step or StepTokens([], [], None)
+        outbox.add(live.stream, step._replace(final=Delta(
+            live.text.flush(), [], finish_reason=seq.finish_reason, error=seq.error,
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+            completion_tokens=seq.num_output_tokens, timings=seq.timings())))
 
     def _fail_all(self, error: str) -> None:
         """After a failure, the scheduler's state cannot be trusted: every request, running or
@@ -570,8 +592,8 @@ class Engine:
         self._live.clear()
         for stream in streams:
             stream.seq.finish_reason, stream.seq.error = FINISH_ERROR, error
-            outbox.add(stream, Delta("", [], finish_reason=FINISH_ERROR, error=error,
-                                     prompt_tokens=stream.seq.num_prompt_tokens))
+            outbox.add(stream, _ending(Delta("", [], finish_reason=FINISH_ERROR, error=error,
+                                             prompt_tokens=stream.seq.num_prompt_tokens)))
         outbox.deliver()
 
     def _finish_all(self, reason: str, error: str) -> None:
@@ -613,22 +635,33 @@ class _Live:
     """Engine-thread state of one admitted request."""
     stream: RequestStream
     text: TextStream
-    pending: PendingTokens  # tokens not yet delivered, with their text and logprobs
+    logprobs: list[TokenLogprob] | None  # this step's, when the request asked for them
     sampler: object | None = None  # its parked sampler while it is preempted
     # Its grammar's state (llguidance.LLMatcher), at the tokens generated so far; it lives here,
     # not in the core, so preemption leaves it as it is.
     matcher: object | None = None
 
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        logprobs = self.logprobs
+        if logprobs is not None:
+            self.logprobs = []
+        return logprobs
+
+
+def _ending(final: Delta) -> StepTokens:
+    """The end of a request that made no token (refused, or the engine failed)."""
+    return StepTokens([], [], None, final)
+
 
 class _Outbox:
-    """Deltas gathered during one step, handed to each event loop in one call."""
+    """What one step gave each request, handed to each event loop in one call."""
     __slots__ = ("_by_loop",)
 
     def __init__(self) -> None:
         self._by_loop: dict = defaultdict(list)
 
-    def add(self, stream: RequestStream, delta: Delta) -> None:
-        self._by_loop[stream._loop].append((stream, delta))
+    def add(self, stream: RequestStream, step: StepTokens) -> None:
+        self._by_loop[stream._loop].append((stream, step))
 
     def deliver(self) -> None:
         for loop, items in self._by_loop.items():
@@ -640,5 +673,5 @@ class _Outbox:
 
 
 def _put_all(items) -> None:
-    for stream, delta in items:
-        stream._deliver(delta)
+    for stream, step in items:
+        stream._deliver(step)

@@ -1,7 +1,9 @@
 """A sequence's generated tokens that its client has not been sent yet, and when they are due.
 
 The stream interval (vLLM's --stream-interval) lives here, the one place every streamed route
-goes through: an event carries at most `interval` tokens. The first token goes out at once (the
+goes through (each request's stream keeps one, on its event loop, so that the engine thread hands
+a sequence one item a step however many tokens it made): an event carries at most `interval`
+tokens. The first token goes out at once (the
 time to first token does not depend on the interval), then the tokens go in groups of exactly
 `interval` as they accumulate (a step or a decode run may make several), and what is left when
 the sequence ends goes with its final delta."""
@@ -19,7 +21,7 @@ class Group(NamedTuple):
 
 class PendingTokens:
     """Tokens in order with the text each added (after the stop-string hold-back) and, when
-    the request asked for them, their logprobs (appended by the engine to `logprobs`).
+    the request asked for them, their logprobs.
     interval None: whatever is pending goes out whenever asked, in one group (whole responses,
     which read only the sum, and the engine measured directly)."""
 
@@ -34,9 +36,11 @@ class PendingTokens:
         self.logprobs: list | None = [] if logprobs else None
         self.sent = 0  # tokens taken so far
 
-    def add(self, token_ids: list[int], texts: list[str]) -> None:
+    def add(self, token_ids: list[int], texts: list[str], logprobs: list | None = None) -> None:
         self.token_ids += token_ids
         self.texts += texts
+        if logprobs:
+            self.logprobs += logprobs
 
     def due(self) -> list[Group]:
         """The groups to send now: everything while nothing was sent yet (the first token),

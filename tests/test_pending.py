@@ -37,11 +37,9 @@ def test_first_token_at_once_then_whole_groups_and_the_rest_at_the_end():
 
 def test_logprobs_go_with_their_tokens():
     pending = PendingTokens(2, logprobs=True)
-    feed(pending, 1)
-    pending.logprobs.append("lp0")
+    pending.add([0], ["<0>"], ["lp0"])
     assert pending.due() == [("<0>", [0], ["lp0"])]
-    feed(pending, 3, 1)
-    pending.logprobs += ["lp1", "lp2", "lp3"]
+    pending.add([1, 2, 3], ["<1>", "<2>", "<3>"], ["lp1", "lp2", "lp3"])
     assert pending.due() == [("<1><2>", [1, 2], ["lp1", "lp2"])]
     assert pending.rest("") == [("<3>", [3], ["lp3"])]
     assert pending.rest("") == [("", [], [])]
