@@ -576,7 +576,8 @@ class Engine:
     def _send_final(self, seq: Sequence, outbox: _Outbox, step: StepTokens | None = None) -> None:
         """The sequence's end, with its last step's tokens (if any) and the text held back."""
         live = self._live.pop(seq)
-        step = step or StepTokens([], [], None)
+        if step is None:
+            step = StepTokens([], [], None)
         outbox.add(live.stream, step._replace(final=Delta(
             live.text.flush(), [], finish_reason=seq.finish_reason, error=seq.error,
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
