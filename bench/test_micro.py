@@ -157,15 +157,17 @@ def test_sse_encoding_of_one_delta(benchmark, text):
     assert benchmark(responses.sse_event, chunk).startswith(b"data: ")
 
 
-def test_engine_step_overhead_at_32(benchmark, model):
-    """The engine's Python share of a step at 32 sequences: the summary's overhead_share."""
-    engine = Engine(EngineConfig(n_ctx=32 * 256, n_parallel=32, decode_steps=1),
-                    str(resolve_model()))
+def _bench_engine_timer(benchmark, model, config: EngineConfig, max_tokens: int, rounds: int,
+                        stream_interval: int | None = None) -> None:
+    """n_parallel streams of `max_tokens` greedy tokens a round; the engine's step timer over
+    each round goes to extra_info."""
+    engine = Engine(config, str(resolve_model()))
 
     async def load():
-        streams = [engine.submit(model.tokenize(f"Story {i}:"),
-                                 SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-                   for i in range(32)]
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        streams = [engine.submit(model.tokenize(f"Story {i}:"), sampling,
+                                 stream_interval=stream_interval)
+                   for i in range(config.n_parallel)]
         for stream in streams:
             async for _ in stream:
                 pass
@@ -175,9 +177,15 @@ def test_engine_step_overhead_at_32(benchmark, model):
         asyncio.run(load())
         return engine.timer.summary()
 
-    summary = benchmark.pedantic(run, rounds=3)
+    summary = benchmark.pedantic(run, rounds=rounds)
     benchmark.extra_info.update(summary)
     engine.shutdown()
+
+
+def test_engine_step_overhead_at_32(benchmark, model):
+    """The engine's Python share of a step at 32 sequences: the summary's overhead_share."""
+    _bench_engine_timer(benchmark, model, EngineConfig(n_ctx=32 * 256, n_parallel=32,
+                                                       decode_steps=1), max_tokens=40, rounds=3)
 
 
 @pytest.mark.parametrize("interval", [1, None], ids=["delta-a-token", "delta-a-run"])
@@ -185,26 +193,9 @@ def test_engine_python_around_decode_runs_at_64(benchmark, model, interval):
     """The engine thread's Python a call into the core at 64 sequences in decode runs of 8, as
     on a GPU: the timer's schedule_ms and postprocess_ms in extra_info (on a GPU a forward step
     of the 1B shape is ~5 ms, so each millisecond here is a few percent of its throughput)."""
-    engine = Engine(EngineConfig(n_ctx=64 * 128, n_parallel=64, decode_steps=8,
-                                 kv_unified=False), str(resolve_model()))
-
-    async def load():
-        streams = [engine.submit(model.tokenize(f"Story {i}:"),
-                                 SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
-                                 stream_interval=interval)
-                   for i in range(64)]
-        for stream in streams:
-            async for _ in stream:
-                pass
-
-    def run():
-        engine.timer.reset()
-        asyncio.run(load())
-        return engine.timer.summary()
-
-    summary = benchmark.pedantic(run, rounds=2)
-    benchmark.extra_info.update(summary)
-    engine.shutdown()
+    config = EngineConfig(n_ctx=64 * 128, n_parallel=64, decode_steps=8, kv_unified=False)
+    _bench_engine_timer(benchmark, model, config, max_tokens=64, rounds=2,
+                        stream_interval=interval)
 
 
 def test_http_round_trip_one_token(benchmark):

@@ -3,17 +3,20 @@ snapshots."""
 from cllm.steptimer import StepTimer, since, summarize
 
 
+def call(timer, *phases, rows=1, forward_steps=1):
+    """One call into the core, as the engine times it."""
+    timer.start()
+    for phase in phases:
+        timer.lap(phase)
+    timer.end(rows, forward_steps)
+
+
 def test_the_steps_between_two_snapshots():
     timer = StepTimer()
-    timer.start()
-    timer.lap("decode")
-    timer.end(rows=4)
+    call(timer, "decode", rows=4)
     first = timer.snapshot()
     for _ in range(2):  # two decode runs of 8 forward steps
-        timer.start()
-        timer.lap("schedule")
-        timer.lap("decode")
-        timer.end(rows=6, forward_steps=8)
+        call(timer, "schedule", "decode", rows=6, forward_steps=8)
     between = since(timer.snapshot(), first)
     assert (between["steps"], between["rows"], between["forward_steps"]) == (2, 12, 16)
     assert between["totals"]["decode"] == timer.totals["decode"] - first["totals"]["decode"]
@@ -25,13 +28,9 @@ def test_the_steps_between_two_snapshots():
 
 def test_a_snapshot_does_not_move_with_the_timer():
     timer = StepTimer()
-    timer.start()
-    timer.lap("decode")
-    timer.end(rows=1)
+    call(timer, "decode")
     snapshot = timer.snapshot()
-    timer.start()
-    timer.lap("decode")
-    timer.end(rows=1)
+    call(timer, "decode")
     assert snapshot["steps"] == 1 and snapshot["totals"]["decode"] < timer.totals["decode"]
 
 
@@ -40,9 +39,7 @@ def test_a_step_that_calls_nothing_counts_no_time():
     timer = StepTimer()
     timer.start()
     assert timer.lap("inbox") >= 0  # ... and the step scheduled no chunk: no end()
-    timer.start()
-    timer.lap("decode")
-    timer.end(rows=2)
+    call(timer, "decode", rows=2)
     assert set(timer.totals) == {"decode"} and timer.steps == 1
 
 
@@ -76,7 +73,5 @@ def test_a_run_counts_with_its_call():
 
 def test_without_decode_runs_there_is_no_run_timing():
     timer = StepTimer()
-    timer.start()
-    timer.lap("decode")
-    timer.end(rows=1)
+    call(timer, "decode")
     assert "run_ms_by_part" not in timer.summary()
