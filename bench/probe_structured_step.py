@@ -8,9 +8,8 @@ spent filling masks (with the GPU engine's overlap: handing them to their thread
 matchers. The shares are measured within the same steps, so a busy machine slows both sides
 alike. Decode runs (a GPU engine's; `--decode-steps` elsewhere) are timed by the core
 (`Context.run_timing`, as the engine's step timer sums it): llama_decode, after_step, sampling,
-per step. `--in-turn` also runs
-the masks filled on the engine thread before each step (the CPU engine's way) rather than on
-their own thread while it decodes.
+per step. `--in-turn` also runs the masks filled on the engine thread before each step (the CPU
+engine's way) rather than on their own thread while it decodes.
 
     python bench/probe_structured_step.py [--model PATH] [--threads 2] [--levels 1 8 64]
         [--in-turn] [--kv-unified] [--decode-steps 8] [--n-gpu-layers N]"""

@@ -576,12 +576,10 @@ class Engine:
     def _send_final(self, seq: Sequence, outbox: _Outbox, step: StepTokens | None = None) -> None:
         """The sequence's end, with its last step's tokens (if any) and the text held back."""
         live = self._live.pop(seq)
-        if step is None:
-            step = StepTokens([], [], None)
-        outbox.add(live.stream, step._replace(final=Delta(
-            live.text.flush(), [], finish_reason=seq.finish_reason, error=seq.error,
-            prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
-            completion_tokens=seq.num_output_tokens, timings=seq.timings())))
+        final = Delta(live.text.flush(), [], finish_reason=seq.finish_reason, error=seq.error,
+                      prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+                      completion_tokens=seq.num_output_tokens, timings=seq.timings())
+        outbox.add(live.stream, _ending(final) if step is None else step._replace(final=final))
 
     def _fail_all(self, error: str) -> None:
         """After a failure, the scheduler's state cannot be trusted: every request, running or
@@ -650,7 +648,8 @@ class _Live:
 
 
 def _ending(final: Delta) -> StepTokens:
-    """The end of a request that made no token (refused, or the engine failed)."""
+    """The end of a request, with no token of its last step (refused, aborted, timed out, or
+    the engine failed)."""
     return StepTokens([], [], None, final)
 
 

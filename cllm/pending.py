@@ -1,12 +1,12 @@
 """A sequence's generated tokens that its client has not been sent yet, and when they are due.
 
 The stream interval (vLLM's --stream-interval) lives here, the one place every streamed route
-goes through (each request's stream keeps one, on its event loop, so that the engine thread hands
-a sequence one item a step however many tokens it made): an event carries at most `interval`
-tokens. The first token goes out at once (the
-time to first token does not depend on the interval), then the tokens go in groups of exactly
-`interval` as they accumulate (a step or a decode run may make several), and what is left when
-the sequence ends goes with its final delta."""
+goes through (each request's stream keeps one, on its event loop, so that the engine thread
+hands a sequence one item a step however many tokens it made): an event carries at most
+`interval` tokens. The first token goes out at once (the time to first token does not depend on
+the interval), then the tokens go in groups of exactly `interval` as they accumulate (a step or
+a decode run may make several), and what is left when the sequence ends goes with its final
+delta."""
 from __future__ import annotations
 
 from typing import NamedTuple

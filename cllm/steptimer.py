@@ -98,7 +98,7 @@ def summarize(counts: dict) -> dict:
     result["rows_per_step"] = counts["rows"] / steps
     result["forward_steps_per_step"] = counts["forward_steps"] / steps
     result["overhead_share"] = 1 - totals.get("decode", 0.0) / total if total else 0.0
-    run_steps = counts.get("run_steps", 0)
+    run_steps = counts["run_steps"]
     if run_steps:  # ms a forward step of the runs
         result["run_ms_by_part"] = {part: 1000 * seconds / run_steps
                                     for part, seconds in counts["run"].items()}
@@ -108,10 +108,10 @@ def summarize(counts: dict) -> dict:
 
 def since(after: dict, before: dict) -> dict:
     """What two snapshots of one timer differ by: the steps between them."""
-    return {key: _minus(value, before.get(key)) for key, value in after.items()}
+    return {key: _minus(value, before[key]) for key, value in after.items()}
 
 
 def _minus(after, before):
     if isinstance(after, dict):  # seconds by phase or part; one the first snapshot lacks is new
-        return {name: value - (before or {}).get(name, 0.0) for name, value in after.items()}
-    return after - (before or 0)
+        return {name: value - before.get(name, 0.0) for name, value in after.items()}
+    return after - before

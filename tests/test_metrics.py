@@ -2,15 +2,14 @@
 from one server and from a scale-out front that merged several replicas."""
 from cllm.metrics import Metrics, _EngineSteps, merge, step_timer_counts
 from cllm.steptimer import StepTimer
+from test_steptimer import call
 
 
 def served(calls: int, rows: int, forward_steps: int) -> tuple[Metrics, StepTimer]:
     metrics, timer = Metrics(), StepTimer()
     metrics.registry.register(_EngineSteps(timer))
     for _ in range(calls):
-        timer.start()
-        timer.lap("decode")
-        timer.end(rows, forward_steps)
+        call(timer, "decode", rows=rows, forward_steps=forward_steps)
     return metrics, timer
 
 
