@@ -290,11 +290,10 @@ cdef class Context:
     cdef unsigned char * ban_eog  # per sequence: its end-of-generation tokens are never sampled
     # Backend sampling: per slot, the slot sampler attached when the context was made
     # (slot_sampler.c), and whether this slot's rows take the graph's token (else the host
-    # samples them from the logits it reads back into host_logits, row i for output i).
+    # samples them from the logits it reads back into the table's host rows, a row per slot).
     cdef llama_sampler ** graph_chains
     cdef cllm_slot_table * slot_table  # what they share: each slot's bias row on the device
     cdef unsigned char * in_graph
-    cdef float * host_logits
     cdef llama_token_data * candidates  # a host sampler chain's work array, n_vocab entries
     cdef int * eog_ids
     cdef int n_eog, n_threads
@@ -303,6 +302,7 @@ cdef class Context:
     cdef int * out_row
     cdef int32_t * out_idx
     cdef float ** out_logits
+    cdef float ** out_host  # each output's logits on the host, NULL where none came back
     cdef const uint32_t ** out_mask  # the allowed tokens' bitmask, NULL: unconstrained
     cdef const volatile int * masks_ready  # during a step: nonzero once the bitmasks are filled
     cdef int * out_tokens
@@ -379,18 +379,16 @@ cdef class Context:
         self.out_row = <int *> malloc(self.n_batch * sizeof(int))
         self.out_idx = <int32_t *> malloc(self.n_batch * sizeof(int32_t))
         self.out_logits = <float **> malloc(self.n_batch * sizeof(float *))
+        self.out_host = <float **> malloc(self.n_batch * sizeof(float *))
         self.out_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
         self.candidates = <llama_token_data *> malloc(self.n_vocab * sizeof(llama_token_data))
         self.gap_seq = <int *> malloc(n_seq_max * sizeof(int))
         self.gap_pos = <llama_pos *> malloc(n_seq_max * sizeof(llama_pos))
-        if backend_sampling:  # a step has at most one output per sequence
-            self.host_logits = <float *> malloc(<size_t> n_seq_max * self.n_vocab * sizeof(float))
         if (self.out_seq is NULL or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
-                or self.out_mask is NULL or self.candidates is NULL
-                or self.gap_seq is NULL or self.gap_pos is NULL
-                or (backend_sampling and self.host_logits is NULL)):
+                or self.out_host is NULL or self.out_mask is NULL or self.candidates is NULL
+                or self.gap_seq is NULL or self.gap_pos is NULL):
             raise MemoryError()
 
     cdef void _alloc_sequences(self, int n_seq_max) except *:
@@ -451,12 +449,12 @@ cdef class Context:
         free(self.out_row)
         free(self.out_idx)
         free(self.out_logits)
+        free(self.out_host)
         free(<void *> self.out_mask)
         free(self.out_tokens)
         free(self.candidates)
         free(self.gap_seq)
         free(self.gap_pos)
-        free(self.host_logits)
         if self.batch.token is not NULL:
             llama_batch_free(self.batch)
         if self.ctx is not NULL:
@@ -929,18 +927,18 @@ cdef class Context:
             return False
         return count == 0 or not llama_vocab_is_eog(self.model.vocab, row_tokens[count - 1])
 
-    cdef float * _sample_outputs(self, int n, int * out) noexcept nogil:
+    cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
         one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Rows
         sampled in the graph take its token; those with a sampler chain go in turn, the greedy
         ones by an argmax spread over the threads (on a GPU the logits of a 64-row step are
         12 MB; one core scanning them took a third of the step), each masked first in the same
-        loop. Returns where output i's logits lie on the host (row i), or NULL."""
+        loop. out_host names where each output's logits lie on the host afterwards."""
         cdef int i, n_greedy = 0
         cdef llama_sampler * chain
         cdef float ** logits = self.out_logits
-        cdef float * all_logits = self._host_logits(n)
         cdef float * row
+        self._host_logits(n)
         self._await_masks(n)
         for i in range(n):
             chain = self.chains[self.out_seq[i]]
@@ -949,9 +947,9 @@ cdef class Context:
             if self.in_graph[self.out_seq[i]]:
                 out[i] = llama_get_sampled_token_ith(self.ctx, self.out_idx[i])
                 continue
-            if all_logits is NULL:
+            row = self.out_host[i]
+            if row is NULL:
                 continue
-            row = all_logits + <size_t> i * self.n_vocab
             if chain is not NULL:
                 if self.out_mask[i] != NULL:
                     _apply_mask(row, self.n_vocab, self.out_mask[i])
@@ -970,25 +968,38 @@ cdef class Context:
                 if masks[i] != NULL:
                     _apply_mask(logits[i], n_vocab, masks[i])
                 out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
-        return all_logits
 
-    cdef float * _host_logits(self, int n) noexcept nogil:
-        """Where the logits of the step's n outputs lie on the host, row i for output i (one
-        wait for the GPU: llama_get_logits_ith would synchronise once per row). With backend
-        sampling, only the rows the host samples are there, read back from the slot table."""
+    cdef void _host_logits(self, int n) noexcept nogil:
+        """Point out_host[i] at the host's logits of output i, after one wait for the GPU
+        (llama_get_logits_ith would synchronise once per row). With backend sampling, only the
+        rows the host samples come back from the slot table, each run of adjacent slots in one
+        copy (a copy a row cost the GPU host a round trip each: 64 of them took ~2 ms)."""
+        cdef int i, j, seq_id
+        cdef bint read
+        cdef float * all_logits
         if not self.backend_sampling:
-            return llama_get_logits(self.ctx)
+            all_logits = llama_get_logits(self.ctx)
+            for i in range(n):
+                self.out_host[i] = (all_logits + <size_t> i * self.n_vocab
+                                    if all_logits is not NULL else NULL)
+            return
         llama_synchronize(self.ctx)
-        if n > self.n_seq_max:  # host_logits holds a row per sequence, as llama.cpp allows
-            return NULL
-        cdef int i, seq_id
-        for i in range(n):
+        cdef float * rows = cllm_slot_table_host_rows(self.slot_table)
+        i = 0
+        while i < n:
             seq_id = self.out_seq[i]
-            if not self.in_graph[seq_id] and cllm_slot_sampler_read_logits(
-                    self.graph_chains[seq_id], self.host_logits + <size_t> i * self.n_vocab,
-                    self.n_vocab) != 0:
-                return NULL
-        return self.host_logits
+            self.out_host[i] = NULL
+            if self.in_graph[seq_id]:
+                i += 1
+                continue
+            j = i + 1
+            while (j < n and self.out_seq[j] == seq_id + j - i
+                   and not self.in_graph[self.out_seq[j]]):
+                j += 1
+            read = cllm_slot_table_read_logits(self.slot_table, seq_id, j - i) == 0
+            while i < j:
+                self.out_host[i] = rows + <size_t> self.out_seq[i] * self.n_vocab if read else NULL
+                i += 1
 
     cdef int _sample_chain(self, llama_sampler * chain, const float * logits) noexcept nogil:
         """The token `chain` picks from one row of logits, which it then accepts, as
@@ -1069,7 +1080,6 @@ cdef class Context:
         log-probabilities, while that call's logits are there)."""
         cdef int c, p, j, r, i, n_out, first = 0
         cdef int32_t rc
-        cdef float * host_logits
         for r in range(pieces.n_rows):
             out[r] = -1
         for c in range(pieces.n_calls):
@@ -1095,12 +1105,12 @@ cdef class Context:
             if rc != 0:
                 failed_call[0] = c
                 return rc
-            host_logits = self._sample_outputs(n_out, self.out_tokens)
+            self._sample_outputs(n_out, self.out_tokens)
             for i in range(n_out):
                 r = self.out_row[i]
                 out[r] = self.out_tokens[i]
-                if wanted.top != NULL and wanted.top[r] >= 0 and host_logits != NULL:
-                    _fill_logprobs(host_logits + <size_t> i * self.n_vocab, self.n_vocab,
+                if wanted.top != NULL and wanted.top[r] >= 0 and self.out_host[i] != NULL:
+                    _fill_logprobs(self.out_host[i], self.n_vocab,
                                    out[r], min(wanted.top[r], wanted.k), &wanted.chosen[r],
                                    &wanted.top_ids[r * wanted.k],
                                    &wanted.top_lps[r * wanted.k])

@@ -184,4 +184,5 @@ cdef extern from "slot_sampler.h" nogil:
     llama_sampler * cllm_slot_sampler_new(cllm_slot_table * table, int32_t slot)
     bint cllm_slot_sampler_bans_eog(llama_sampler * chain)
     void cllm_slot_sampler_ban_eog(llama_sampler * chain, bint ban)
-    int cllm_slot_sampler_read_logits(llama_sampler * chain, float * dst, size_t n_vocab)
+    float * cllm_slot_table_host_rows(const cllm_slot_table * table)
+    int cllm_slot_table_read_logits(const cllm_slot_table * table, int32_t first_slot, int32_t n)

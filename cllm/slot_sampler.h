@@ -32,9 +32,15 @@ int cllm_slot_sampler_bans_eog(struct llama_sampler * chain);
    the device row when the ban changes, so no decode may be running then. */
 void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban);
 
-/* Copy the `n_vocab` logits of this slot's last output into `dst`, for a row the host samples
-   (after the decode that computed them has finished). 0, or -1 when the table has no rows of
-   this size. */
-int cllm_slot_sampler_read_logits(struct llama_sampler * chain, float * dst, size_t n_vocab);
+/* Where the host reads slots' logits back to: `n_slots` rows of `n_vocab` floats, a row per
+   slot, owned by the table (page-locked where the logits' device has such memory). NULL until
+   llama.cpp attached the samplers. */
+float * cllm_slot_table_host_rows(const struct cllm_slot_table * table);
+
+/* Copy the logits of the `n` slots from `first_slot` on (each one's last output) into their
+   host rows, in one copy, after the decode that computed them has finished. 0, or -1 when the
+   slots are out of range or the table has no rows yet. */
+int cllm_slot_table_read_logits(const struct cllm_slot_table * table, int32_t first_slot,
+                                int32_t n);
 
 #endif

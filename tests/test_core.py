@@ -466,6 +466,36 @@ def test_host_rows_keep_their_logits_across_the_micro_batches_of_a_decode(model,
     assert graph_chosen == pytest.approx(host_chosen, abs=1e-4)
 
 
+def test_host_rows_of_adjacent_slots_read_back_together_keep_their_own_logits(model):
+    """Host rows come back from the slot table a run of adjacent slots at a time: rows in
+    slot order (0, 1, 2 and 6, 7), out of it (5 before 4) and beside a graph row (3) each
+    get their own sequence's tokens and log-probabilities."""
+    graph_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True,
+                              backend_sampling=True)
+    host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True)
+    seq_ids = [0, 1, 2, 5, 4, 3, 6, 7]
+
+    def run(context):
+        tokens = [model.tokenize(p) for p in PROMPTS[:len(seq_ids)]]
+        for seq_id in seq_ids:
+            context.set_sampler(seq_id, host_logits=seq_id != 3)
+        first, lp = context.step(ints(seq_ids), ints([0] * len(seq_ids)),
+                                 ints([len(t) for t in tokens]), ints([1] * len(seq_ids)),
+                                 ints([t for row in tokens for t in row]),
+                                 ints([3 if s != 3 else -1 for s in seq_ids]))
+        for seq_id in seq_ids:
+            context.remove_sequence(seq_id)
+        return list(first), [lp.row(r) for r, s in enumerate(seq_ids) if s != 3]
+
+    graph_tokens, graph_lps = run(graph_ctx)
+    host_tokens, host_lps = run(host_ctx)
+    assert graph_tokens == host_tokens
+    assert len(set(graph_tokens)) > 1  # different prompts: a row given another's logits shows
+    for (graph_chosen, graph_top), (host_chosen, host_top) in zip(graph_lps, host_lps):
+        assert [t for t, _ in graph_top] == [t for t, _ in host_top]
+        assert graph_chosen == pytest.approx(host_chosen, abs=1e-4)
+
+
 def test_a_sequence_sampled_in_the_graph_refuses_logprobs_and_bitmasks(graph_ctx, model):
     tokens = model.tokenize(PROMPTS[0])
     graph_ctx.set_sampler(1)
