@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "measured as llama-server-split and llama-server-unified")
     started.add_argument("--cllm-args", type=shlex.split, default=[],
                          help="more cllm.serve flags, one quoted string (e.g. "
-                              "'--stream-interval 4')")
+                              "'--stream-interval 4'); --engine-direct's engine takes them too")
     started.add_argument("--peer-args", type=shlex.split, default=[],
                          help="more llama-server flags, one quoted string (e.g. '-bs': the peer "
                               "at its best)")

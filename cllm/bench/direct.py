@@ -10,7 +10,7 @@ from dataclasses import replace
 from cllm.sequence import FINISH_LENGTH, FINISH_STOP
 
 from .loadgen import LoadSettings, RequestResult, Sized, check_tokens
-from .servers import ServerSettings
+from .servers import ServerSettings, cllm_flags
 
 
 def _failed_finish(reason: str) -> str | None:
@@ -22,11 +22,11 @@ class EngineTarget:
     """Sends prompts to an Engine running in this process; never raises from send()."""
 
     def __init__(self, model_path: str, s: ServerSettings, load: LoadSettings) -> None:
-        from cllm.config import EngineConfig, SamplingParams, cpu_wait_while_loading
-        config = EngineConfig(n_ctx=s.ctx_size, kv_unified=s.kv_unified,
-                              n_parallel=s.parallel, n_batch=s.batch_size,
-                              n_ubatch=s.ubatch_size, n_threads=s.threads,
-                              n_gpu_layers=s.n_gpu_layers, flash_attn=s.flash_attn)
+        from cllm.config import SamplingParams, cpu_wait_while_loading
+        from cllm.serve import build_config, parse_args
+        # The started server's options, --cllm-args included (decode steps, stream interval):
+        server = build_config(parse_args(cllm_flags(model_path, s)))
+        config = server.engine
         # llama.cpp's threads wait at barriers as `cllm.serve` would make them: else the two
         # series would differ by their wait policies as well as by the HTTP path.
         try:
@@ -38,6 +38,8 @@ class EngineTarget:
         self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
                                        ignore_eos=load.ignore_eos)
         self.cache_prompt = load.cache_prompt is not False  # unsent: the server's default, on
+        # A streamed request's deltas as the server cuts them; else a step's tokens at once.
+        self.stream_interval = server.stream_interval if load.stream else None
 
     async def send(self, prompt: str | Sized) -> RequestResult:
         r = RequestResult(start=time.perf_counter())
@@ -46,7 +48,8 @@ class EngineTarget:
             prompt, sampling = prompt.prompt, replace(sampling, max_tokens=prompt.max_tokens)
         try:
             stream = self.engine.submit(self.engine.model.tokenize(prompt), sampling,
-                                        cache_prompt=self.cache_prompt)
+                                        cache_prompt=self.cache_prompt,
+                                        stream_interval=self.stream_interval)
             async for delta in stream:
                 if delta.token_ids:
                     r.arrive(time.perf_counter())

@@ -110,13 +110,19 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def cllm_command(model: str, port: int, s: ServerSettings) -> list[str]:
-    return [sys.executable, "-m", "cllm.serve", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--parallel", str(s.parallel), "--ctx-size", str(s.ctx_size),
+def cllm_flags(model: str, s: ServerSettings) -> list[str]:
+    """`cllm.serve`'s options for these settings: the started server's, and the engine's that
+    --engine-direct measures, so that the two differ only by the HTTP path."""
+    return ["--model", model, "--parallel", str(s.parallel), "--ctx-size", str(s.ctx_size),
             "--kv-unified" if s.kv_unified else "--no-kv-unified",
             "--batch-size", str(s.batch_size), "--ubatch-size", str(s.ubatch_size),
             "--threads", str(s.threads),
             "--n-gpu-layers", str(s.n_gpu_layers), "--flash-attn", s.flash_attn, *s.cllm_args]
+
+
+def cllm_command(model: str, port: int, s: ServerSettings) -> list[str]:
+    return [sys.executable, "-m", "cllm.serve", "--host", "127.0.0.1", "--port", str(port),
+            *cllm_flags(model, s)]
 
 
 def start_cllm(model: str, s: ServerSettings, log_dir: Path) -> StartedServer:

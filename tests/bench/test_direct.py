@@ -36,3 +36,19 @@ def test_no_cache_prompt_computes_every_prompt_again(model_path):
     assert first.ok and second.ok, (first.error, second.error)
     assert first.cached_tokens == second.cached_tokens == 0
     assert second.prompt_tokens == first.prompt_tokens > 10
+
+
+def test_cllm_args_reach_the_engine_and_its_streams(model_path):
+    """--cllm-args configure the measured engine as they do the started server: its decode
+    runs, and the stream interval that cuts a streamed reply's 9 tokens into 1 + 4 + 4."""
+    settings = ServerSettings(parallel=2, ctx_size=2048, threads=1,
+                              cllm_args=("--decode-steps", "3", "--stream-interval", "4"))
+    target = EngineTarget(model_path, settings, LoadSettings(max_tokens=9, ignore_eos=True))
+    try:
+        assert target.engine.decode_steps == 3
+        result = asyncio.run(target.send(PROMPT))
+    finally:
+        target.shutdown()
+    assert result.ok, result.error
+    assert result.output_tokens == 9
+    assert len(result.itl) == 2  # three deltas carried the tokens
