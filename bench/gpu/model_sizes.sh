@@ -13,7 +13,7 @@
 #
 # MODEL: llama-3.2-1b, qwen2.5-3b, llama-3.1-8b. Needs the CUDA build of stage-and-build.sh
 # (cllm installed, llama-server, llama-batched-bench and llama-quantize in /root/w/build/bin) and
-# join-model.sh's wheels in /root/w/site. Results go under $OUT/model-sizes/MODEL/; the step
+# its wheels in /root/w/site. Results go under $OUT/model-sizes/MODEL/; the step
 # times are printed. Each bench run uses -np = --parallel = the concurrency (one server start per
 # level), FA on, greedy, ignore_eos, 128 tokens, about two rounds of requests per level, and
 # llama-server with backend sampling (-bs); at one stream split and unified KV are the same.

@@ -1,11 +1,14 @@
 #!/bin/bash
-# Device call 1 (carry .device/m1 .device/llama-src.tar.xz): stage the model's first half and llama.cpp source; build cllm (CUDA) and
-# llama-server/llama-batched-bench from the same ggml in one CMake tree.
+# Device call 1 (carry .device/llama-src.tar.xz .device/whl): the wheels its Python lacks into
+# /root/w/site, llama.cpp's source, and one CMake tree that builds cllm (CUDA) and
+# llama-server, llama-batched-bench and llama-quantize from the same ggml (~4 min).
 set -x
 W=/root/w; mkdir -p $W/cache/models
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 --version; nproc
-cp .device/m1/part00 $W/ && cp .device/llama-src.tar.xz $W/
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target $W/site .device/whl/*.whl || exit 1
+cp .device/llama-src.tar.xz $W/ || exit 1
 export CLLM_LLAMA_SOURCE=$W/llama-src.tar.xz
 export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DCLLM_BUILD_PEER=ON"
 export CMAKE_BUILD_PARALLEL_LEVEL=16
