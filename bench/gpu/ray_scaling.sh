@@ -1,10 +1,11 @@
 #!/bin/bash
 # Scale-out on Ray Serve (issue 16), measured on the GPU machine: one cllm replica per GPU.
 #
-# Run from the repository root on the device, after the CUDA build (.device/exp/both-build.sh,
-# then .device/exp/join.sh: cllm in the system site, the wheels in $W/site, the model in
+# Run from the repository root on the device, after the CUDA build (bench/gpu/stage-and-build.sh:
+# cllm in the system site, the wheels in $W/site) and bench/gpu/join-model.sh (the model in
 # $W/cache), one phase per call, chained while the machine is warm:
-#   bash bench/gpu/ray_scaling.sh stage              carry .device/ray/r1  (Ray's wheels, half 1)
+#   bash bench/gpu/ray_scaling.sh stage              carry .device/ray/r1  (Ray's wheel, half 1)
+#   bash bench/gpu/ray_scaling.sh stage              carry .device/ray/r3  (its dependencies)
 #   bash bench/gpu/ray_scaling.sh install            carry .device/ray/r2  (half 2, installs)
 #   bash bench/gpu/ray_scaling.sh throughput [GPUS]  1..GPUS replicas at saturating concurrency
 #                                 (REPLICA_COUNTS="1 2 4" picks the counts, FRONTS="1 R" the
@@ -220,8 +221,10 @@ EOF
 }
 
 case $PHASE in
-stage)  # the first half of Ray's wheels, kept in $W for the next call
-  mkdir -p "$W/ray" && cp .device/ray/r1/* "$W/ray/" && ls "$W/ray" | wc -l
+stage)  # the first half of Ray's wheel or its dependencies (whichever folder came), kept in $W
+  mkdir -p "$W/ray" || exit 1
+  for d in .device/ray/r1 .device/ray/r3; do [ -d "$d" ] && cp "$d"/* "$W/ray/"; done
+  ls "$W/ray" | wc -l
   ;;
 install)
   cp .device/ray/r2/* "$W/ray/" || exit 1
