@@ -7,9 +7,9 @@ steps (decode + sampling in the core, masks applied) and, for the constrained ru
 spent filling masks (with the GPU engine's overlap: handing them to their thread) and advancing
 matchers. The shares are measured within the same steps, so a busy machine slows both sides
 alike. Decode runs (a GPU engine's; `--decode-steps` elsewhere) are timed by the core
-(`Context.run_timing`, as the engine's step timer sums it): llama_decode, after_step, sampling,
-per step. `--in-turn` also runs the masks filled on the engine thread before each step (the CPU
-engine's way) rather than on their own thread while it decodes.
+(`Context.run_timing`, as the engine's step timer sums it): llama_decode, after_step, the wait
+for the step, sampling, per step. `--in-turn` also runs the masks filled on the engine thread
+before each step (the CPU engine's way) rather than on their own thread while it decodes.
 
     python bench/probe_structured_step.py [--model PATH] [--threads 2] [--levels 1 8 64]
         [--in-turn] [--kv-unified] [--decode-steps 8] [--n-gpu-layers N]"""
@@ -108,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     path = args.model or str(resolve_model("smollm2-135m-instruct"))
     print("level  mode                tokens  tok/s  steps  step ms  masks ms  matchers ms  share"
-          "  | runs: steps  decode ms  after_step ms  sample ms")
+          "  | runs: steps  decode ms  after_step ms  wait ms  sample ms")
     for level in args.levels:
         engine = Engine(EngineConfig(n_ctx=level * 512, n_parallel=level, n_threads=args.threads,
                                      kv_unified=args.kv_unified, decode_steps=args.decode_steps,
@@ -134,7 +134,8 @@ def report(level: int, mode: str, r: dict) -> None:
     print(f"{level:5d}  {mode:19s}  {r['tokens']:6d}  {r['tokens'] / r['wall_s']:5.0f}  "
           f"{r['steps']:5d}  {r['step_ms']:7.1f}  {r['masks_ms']:8.2f}  "
           f"{r['matchers_ms']:11.2f}  {share:5.1%}  | {run['steps']:10d}  "
-          f"{run['llama_decode']:9.2f}  {run['after_step']:13.2f}  {run['sample']:9.2f}",
+          f"{run['llama_decode']:9.2f}  {run['after_step']:13.2f}  {run['wait']:7.2f}  "
+          f"{run['sample']:9.2f}",
           flush=True)
 
 

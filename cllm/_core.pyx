@@ -325,7 +325,7 @@ cdef class Context:
     cdef object _after_step_error
     # Seconds decode runs spent in llama_decode, in after_step (the GIL included) and sampling,
     # and their steps; read by run_timing().
-    cdef double _t_decode, _t_after_step, _t_sample
+    cdef double _t_decode, _t_after_step, _t_wait, _t_sample
     cdef long _t_steps, _t_gap_rows
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
@@ -733,15 +733,17 @@ cdef class Context:
 
     def run_timing(self):
         """Mean milliseconds per step of the decode runs since the last call: in llama_decode
-        (on a GPU: building and launching the step), in after_step (the GIL included), and
-        sampling (on a GPU: waiting for the step first), how many steps, and the placeholder
-        rows a step carried in the gaps between split streams (gap_rows)."""
+        (on a GPU: building and launching the step), in after_step (the GIL included), waiting
+        for the step to finish (on a GPU; a CPU computes it inside llama_decode), and sampling
+        (reading host rows' logits back included), how many steps, and the placeholder rows a
+        step carried in the gaps between split streams (gap_rows)."""
         steps = max(1, self._t_steps)
         timing = {"steps": self._t_steps, "decode_ms": 1000 * self._t_decode / steps,
                   "after_step_ms": 1000 * self._t_after_step / steps,
+                  "wait_ms": 1000 * self._t_wait / steps,
                   "sample_ms": 1000 * self._t_sample / steps,
                   "gap_rows": self._t_gap_rows / steps}
-        self._t_decode = self._t_after_step = self._t_sample = 0
+        self._t_decode = self._t_after_step = self._t_wait = self._t_sample = 0
         self._t_steps = self._t_gap_rows = 0
         return timing
 
@@ -769,7 +771,7 @@ cdef class Context:
         cdef int * rows = <int *> malloc(n_rows * sizeof(int))  # batch index → row
         cdef int * sampled = <int *> calloc(n_rows, sizeof(int))  # 1 + the row's last step
         cdef unsigned char * ended = <unsigned char *> calloc(n_rows, 1)  # by after_step
-        cdef double t0
+        cdef double t0, t1
         if rows is NULL or sampled is NULL or ended is NULL:
             free(rows)
             free(sampled)
@@ -808,8 +810,11 @@ cdef class Context:
                 if masks != NULL and row_masks[r] >= 0:
                     self.out_mask[i] = masks + <size_t> row_masks[r] * self.mask_words
             t0 = _now()
+            llama_synchronize(self.ctx)  # the step's end, timed apart from its sampling
+            t1 = _now()
+            self._t_wait += t1 - t0
             self._sample_outputs(<int> n, self.out_tokens)
-            self._t_sample += _now() - t0
+            self._t_sample += _now() - t1
             self._t_steps += 1
             for i in range(n):
                 r = rows[i]

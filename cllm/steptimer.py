@@ -1,8 +1,8 @@
 """Where an engine step's time goes: the inbox (admitting and aborting requests), scheduling
 (the scheduler's plan), preparing (samplers of started sequences, KV operations, the rows'
 arrays), decode+sample (C), postprocess, hand-off; and for the calls that are decode runs,
-what their forward steps spend in the core as it times them (llama_decode, after_step,
-sampling: on a GPU the wait for the step), what their decode laps hold beyond that
+what their forward steps spend in the core as it times them (llama_decode, after_step, the
+wait for the step to finish on a GPU, sampling), what their decode laps hold beyond that
 ("outside": the Python around the core's run, the GIL's hand-back), and the placeholder rows
 they carry between split streams.
 
@@ -15,7 +15,8 @@ from collections import defaultdict
 
 
 # The parts of a run's forward step that the core times: name → Context.run_timing's key.
-RUN_PARTS = {"llama_decode": "decode_ms", "after_step": "after_step_ms", "sample": "sample_ms"}
+RUN_PARTS = {"llama_decode": "decode_ms", "after_step": "after_step_ms", "wait": "wait_ms",
+             "sample": "sample_ms"}
 
 
 class StepTimer:

@@ -277,6 +277,7 @@ def test_run_timing_counts_the_steps_of_decode_runs_since_it_was_last_read(ctx, 
     ctx.remove_sequence(4)
     assert timing["steps"] == 5  # its budget ended the run
     assert timing["decode_ms"] > 0 and timing["sample_ms"] > 0 and timing["after_step_ms"] == 0
+    assert 0 <= timing["wait_ms"] < timing["decode_ms"]  # a CPU computes inside llama_decode
     assert ctx.run_timing()["steps"] == 0
 
 

@@ -23,13 +23,13 @@ def test_one_servers_counts_read_back_as_its_timer_has_them():
 def test_decode_runs_timing_reads_back_by_part():
     metrics, timer = served(calls=1, rows=4, forward_steps=8)
     timer.start()
-    timer.add_run({"steps": 8, "decode_ms": 2.5, "after_step_ms": 0.0, "sample_ms": 0.5,
-                   "gap_rows": 2.0}, call_seconds=0.025)
+    timer.add_run({"steps": 8, "decode_ms": 2.5, "after_step_ms": 0.0, "wait_ms": 0.0,
+                   "sample_ms": 0.5, "gap_rows": 2.0}, call_seconds=0.025)
     timer.end(rows=4, forward_steps=8)
     counts = step_timer_counts(metrics.render().decode())
     assert (counts["run_steps"], counts["gap_rows"]) == (8, 16)
     assert counts["run"] == timer.run and counts["run"]["llama_decode"] == 8 * 2.5 / 1000
-    assert counts["run"].keys() == {"llama_decode", "after_step", "sample", "outside"}
+    assert counts["run"].keys() == {"llama_decode", "after_step", "wait", "sample", "outside"}
 
 
 def test_a_front_that_merged_replicas_reads_as_their_sum():
