@@ -323,8 +323,8 @@ cdef class Context:
     cdef object _after_step
     cdef carray.array _going_on
     cdef object _after_step_error
-    # Seconds decode runs spent in llama_decode, in after_step (the GIL included) and sampling,
-    # and their steps; read by run_timing().
+    # Seconds decode runs spent in llama_decode, in after_step (the GIL included), waiting for
+    # the step and sampling, and their steps; read by run_timing().
     cdef double _t_decode, _t_after_step, _t_wait, _t_sample
     cdef long _t_steps, _t_gap_rows
 
@@ -978,7 +978,8 @@ cdef class Context:
         """Point out_host[i] at the host's logits of output i, after one wait for the GPU
         (llama_get_logits_ith would synchronise once per row). With backend sampling, only the
         rows the host samples come back from the slot table, each run of adjacent slots in one
-        copy (a copy a row cost the GPU host a round trip each: 64 of them took ~2 ms)."""
+        copy, into page-locked memory (with a copy a row into malloc's memory, sampling a
+        constrained 64-row step took 4.1 ms on an H200 host; 2.6 ms this way)."""
         cdef int i, j, seq_id
         cdef bint read
         cdef float * all_logits
