@@ -14,6 +14,7 @@ from cllm import _core, responses
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
 from cllm.models import resolve_model
+from cllm.pending import PendingTokens
 from cllm.prefix_cache import PrefixCache
 from cllm.scheduler import Scheduler
 from cllm.sequence import Sequence
@@ -155,6 +156,19 @@ def test_sse_encoding_of_one_delta(benchmark, text):
     chunk = {"id": "cmpl-0123456789", "object": "text_completion", "created": 1, "model": "m",
              "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
     assert benchmark(responses.sse_event, chunk).startswith(b"data: ")
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_pending_tokens_of_a_one_token_step(benchmark, interval):
+    """What a stream's event loop does with each step's token at 32 streams (one token a step,
+    as on a CPU): push it and take the deltas due."""
+    streams = [PendingTokens(interval, logprobs=False) for _ in range(32)]
+
+    def step():
+        for pending in streams:
+            pending.push([7], [" word"])
+
+    benchmark(step)
 
 
 def _bench_engine_timer(benchmark, model, config: EngineConfig, max_tokens: int, rounds: int,

@@ -119,11 +119,11 @@ class RequestStream:
         end the rest, the final one also handed to `on_end`, read or not (a client that left
         still ends its sequence, with reason 'abort')."""
         pending = self._pending
-        pending.add(step.token_ids, step.texts, step.logprobs)
         if step.final is None:
-            for group in pending.due():
+            for group in pending.push(step.token_ids, step.texts, step.logprobs):
                 self._queue.put_nowait(Delta(*group))
             return
+        pending.add(step.token_ids, step.texts, step.logprobs)
         *groups, last = pending.rest(step.final.text)
         for group in groups:
             self._queue.put_nowait(Delta(*group))

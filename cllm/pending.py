@@ -42,6 +42,20 @@ class PendingTokens:
         if logprobs:
             self.logprobs += logprobs
 
+    def push(self, token_ids: list[int], texts: list[str],
+             logprobs: list | None = None) -> list[Group]:
+        """add() then due(). A step whose tokens make exactly one due group while none wait (at
+        interval 1, every step of one token) is that group as it came: on a 2-core CPU the event
+        loop's work slows the decode beside it."""
+        n = len(token_ids)
+        if n and not self.token_ids and (self.interval is None or n == self.interval
+                                         or (not self.sent and n <= self.interval)):
+            self.sent += n
+            return [Group(texts[0] if n == 1 else "".join(texts), token_ids,
+                          None if self.logprobs is None else (logprobs or []))]
+        self.add(token_ids, texts, logprobs)
+        return self.due()
+
     def due(self) -> list[Group]:
         """The groups to send now: everything while nothing was sent yet (the first token),
         else every whole group of `interval` tokens; the remainder waits."""

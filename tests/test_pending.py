@@ -54,6 +54,21 @@ def test_no_interval_sends_each_batch_whole():
     assert [g.token_ids for g in pending.rest("")] == [list(range(8, 13))]
 
 
+@pytest.mark.parametrize("interval", [None, 1, 3, 4])
+def test_push_gives_what_add_then_due_gives(interval):
+    """push() takes a step as one group when it can; whatever the steps' sizes, the groups,
+    and what is left for the end, are add()'s then due()'s."""
+    pushed, added = PendingTokens(interval, logprobs=True), PendingTokens(interval, logprobs=True)
+    start = 0
+    for n in [1, 1, 3, 4, 1, 8, 2, 2, 4, 1]:
+        ids = list(range(start, start + n))
+        texts, lps = [f"<{t}>" for t in ids], [f"lp{t}" for t in ids]
+        added.add(ids, texts, lps)
+        assert pushed.push(list(ids), texts, lps) == added.due()
+        start += n
+    assert pushed.rest("!") == added.rest("!")
+
+
 def test_an_interval_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         PendingTokens(0, logprobs=False)
