@@ -938,7 +938,8 @@ cdef class Context:
         sampled in the graph take its token; those with a sampler chain go in turn, the greedy
         ones by an argmax spread over the threads (on a GPU the logits of a 64-row step are
         12 MB; one core scanning them took a third of the step), each masked first in the same
-        loop. out_host names where each output's logits lie on the host afterwards."""
+        loop. The caller has waited for the step (llama_synchronize). out_host names where each
+        output's logits lie on the host afterwards."""
         cdef int i, n_greedy = 0
         cdef llama_sampler * chain
         cdef float ** logits = self.out_logits
@@ -975,11 +976,11 @@ cdef class Context:
                 out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
 
     cdef void _host_logits(self, int n) noexcept nogil:
-        """Point out_host[i] at the host's logits of output i, after one wait for the GPU
-        (llama_get_logits_ith would synchronise once per row). With backend sampling, only the
-        rows the host samples come back from the slot table, each run of adjacent slots in one
-        copy, into page-locked memory (with a copy a row into malloc's memory, sampling a
-        constrained 64-row step took 4.1 ms on an H200 host; 2.6 ms this way)."""
+        """Point out_host[i] at the host's logits of output i, once the step is over. With
+        backend sampling, only the rows the host samples come back from the slot table, each
+        run of adjacent slots in one copy, into page-locked memory (with a copy a row into
+        malloc's memory, sampling a constrained 64-row step took 4.1 ms on an H200 host; 2.6 ms
+        this way)."""
         cdef int i, j, seq_id
         cdef bint read
         cdef float * all_logits
@@ -989,7 +990,6 @@ cdef class Context:
                 self.out_host[i] = (all_logits + <size_t> i * self.n_vocab
                                     if all_logits is not NULL else NULL)
             return
-        llama_synchronize(self.ctx)
         cdef float * rows = cllm_slot_table_host_rows(self.slot_table)
         i = 0
         while i < n:
@@ -1111,6 +1111,7 @@ cdef class Context:
             if rc != 0:
                 failed_call[0] = c
                 return rc
+            llama_synchronize(self.ctx)
             self._sample_outputs(n_out, self.out_tokens)
             for i in range(n_out):
                 r = self.out_row[i]
