@@ -9,7 +9,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from cllm.engine import Delta, Engine
-from cllm.steptimer import StepTimer
+from cllm.steptimer import RUN_PARTS, StepTimer
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -85,6 +85,7 @@ class Metrics:
 # of two scrapes: `step_timer_counts`).
 ENGINE_PHASE_COUNTER = "cllm_engine_step_phase_seconds"
 ENGINE_RUN_COUNTER = "cllm_engine_run_seconds"
+_RUN_HELP = f"Decode runs' calls by part: the core's {', '.join(RUN_PARTS)}, and outside them"
 ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
     "steps": ("cllm_engine_steps", "Calls into the core (a decode run is one)"),
     "rows": ("cllm_engine_step_rows", "Rows those calls carried"),
@@ -108,9 +109,7 @@ class _EngineSteps:
         for phase, seconds in counts["totals"].items():
             phases.add_metric([phase], seconds)
         yield phases
-        parts = CounterMetricFamily(ENGINE_RUN_COUNTER, "Decode runs' calls by part: the "
-                                    "core's llama_decode, after_step and sample, and outside "
-                                    "them", labels=["part"])
+        parts = CounterMetricFamily(ENGINE_RUN_COUNTER, _RUN_HELP, labels=["part"])
         for part, seconds in counts["run"].items():
             parts.add_metric([part], seconds)
         yield parts

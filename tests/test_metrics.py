@@ -26,8 +26,12 @@ def test_decode_runs_timing_reads_back_by_part():
     timer.add_run({"steps": 8, "decode_ms": 2.5, "after_step_ms": 0.0, "wait_ms": 0.0,
                    "sample_ms": 0.5, "gap_rows": 2.0}, call_seconds=0.025)
     timer.end(rows=4, forward_steps=8)
-    counts = step_timer_counts(metrics.render().decode())
+    text = metrics.render().decode()
+    counts = step_timer_counts(text)
     assert (counts["run_steps"], counts["gap_rows"]) == (8, 16)
+    help_line = next(line for line in text.splitlines()
+                     if line.startswith("# HELP cllm_engine_run_seconds_total"))
+    assert all(part in help_line for part in ("llama_decode", "after_step", "wait", "sample"))
     assert counts["run"] == timer.run and counts["run"]["llama_decode"] == 8 * 2.5 / 1000
     assert counts["run"].keys() == {"llama_decode", "after_step", "wait", "sample", "outside"}
 
