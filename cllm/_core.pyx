@@ -304,6 +304,7 @@ cdef class Context:
     cdef float ** out_logits
     cdef float ** out_host  # each output's logits on the host, NULL where none came back
     cdef const uint32_t ** out_mask  # the allowed tokens' bitmask, NULL: unconstrained
+    cdef const uint32_t ** out_device_mask  # out_mask where the device applies it, else NULL
     cdef const volatile int * masks_ready  # during a step: nonzero once the bitmasks are filled
     cdef int * out_tokens
     cdef readonly Model model
@@ -381,13 +382,15 @@ cdef class Context:
         self.out_logits = <float **> malloc(self.n_batch * sizeof(float *))
         self.out_host = <float **> malloc(self.n_batch * sizeof(float *))
         self.out_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
+        self.out_device_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
         self.candidates = <llama_token_data *> malloc(self.n_vocab * sizeof(llama_token_data))
         self.gap_seq = <int *> malloc(n_seq_max * sizeof(int))
         self.gap_pos = <llama_pos *> malloc(n_seq_max * sizeof(llama_pos))
         if (self.out_seq is NULL or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
-                or self.out_host is NULL or self.out_mask is NULL or self.candidates is NULL
+                or self.out_host is NULL or self.out_mask is NULL
+                or self.out_device_mask is NULL or self.candidates is NULL
                 or self.gap_seq is NULL or self.gap_pos is NULL):
             raise MemoryError()
 
@@ -451,6 +454,7 @@ cdef class Context:
         free(self.out_logits)
         free(self.out_host)
         free(<void *> self.out_mask)
+        free(<void *> self.out_device_mask)
         free(self.out_tokens)
         free(self.candidates)
         free(self.gap_seq)
@@ -479,8 +483,9 @@ cdef class Context:
         """Sampling for `seq_id` until it is removed. Temperature 0 with no penalty is greedy, an
         argmax over the logits. `history` (e.g. the prompt) is what the penalties already saw.
         `ban_eog`: end-of-generation tokens are never sampled, so text runs on to its length.
-        With `backend_sampling`, a greedy sequence is sampled inside the decode's graph, and its
-        logits never reach the host, unless `host_logits` (for log-probabilities or bitmasks)."""
+        With `backend_sampling`, a greedy sequence is sampled inside the decode's graph (with a
+        bitmask, on the same device just after it), and its logits never reach the host, unless
+        `host_logits` (for log-probabilities)."""
         self._check_seq(seq_id)
         self._free_chain(seq_id)
         self._ban_eog(seq_id, ban_eog)
@@ -636,7 +641,7 @@ cdef class Context:
             raise ValueError("top_logprobs must have one entry per row")
         self._check_rows(seq_ids, n_tokens, tokens)
         cdef const uint32_t * mask_data = self._check_masks(n_rows, mask_rows, masks)
-        self._check_host_rows(seq_ids, sample, top_logprobs, mask_rows)
+        self._check_logprob_rows(seq_ids, sample, top_logprobs)
         cdef carray.array out = carray.clone(_INT_ARRAY, n_rows, False)
         cdef int k = 0
         cdef Logprobs lp = None
@@ -701,7 +706,6 @@ cdef class Context:
             raise ValueError(f"{n_rows} rows, {n_steps} steps: need 1..{self.n_batch} rows, 1+ steps")
         self._check_rows(seq_ids, _ones(n_rows), last_tokens)
         cdef const uint32_t * mask_data = self._check_masks(n_rows, mask_rows, masks)
-        self._check_host_rows(seq_ids, _ones(n_rows), None, mask_rows)
         if (mask_data != NULL) != (after_step is not None):
             raise ValueError("bitmasks and after_step go together")
         cdef carray.array tokens = carray.clone(_INT_ARRAY, n_rows * n_steps, False)
@@ -935,7 +939,8 @@ cdef class Context:
     cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
         one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Rows
-        sampled in the graph take its token; those with a sampler chain go in turn, the greedy
+        sampled in the graph take its token, or with a bitmask the device's masked choice;
+        those with a sampler chain go in turn, the greedy
         ones by an argmax spread over the threads (on a GPU the logits of a 64-row step are
         12 MB; one core scanning them took a third of the step), each masked first in the same
         loop. The caller has waited for the step (llama_synchronize). out_host names where each
@@ -946,12 +951,13 @@ cdef class Context:
         cdef float * row
         self._host_logits(n)
         self._await_masks(n)
+        self._masked_on_device(n, out)
         for i in range(n):
             chain = self.chains[self.out_seq[i]]
             logits[i] = NULL
-            out[i] = -1
             if self.in_graph[self.out_seq[i]]:
-                out[i] = llama_get_sampled_token_ith(self.ctx, self.out_idx[i])
+                if self.out_mask[i] == NULL:
+                    out[i] = llama_get_sampled_token_ith(self.ctx, self.out_idx[i])
                 continue
             row = self.out_host[i]
             if row is NULL:
@@ -974,6 +980,22 @@ cdef class Context:
                 if masks[i] != NULL:
                     _apply_mask(logits[i], n_vocab, masks[i])
                 out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
+
+    cdef void _masked_on_device(self, int n, int * out) noexcept nogil:
+        """Set every output to -1, then give the rows sampled in the graph that have a bitmask
+        the device's masked choice (slot_sampler.c): only their bitmasks go there and their
+        tokens come back, where reading their logits back took most of a constrained 64-row
+        step's sampling on an H200 (the graph's own token ignores the bitmask)."""
+        cdef int i, masked = 0
+        for i in range(n):
+            out[i] = -1
+            self.out_device_mask[i] = NULL
+            if self.in_graph[self.out_seq[i]] and self.out_mask[i] != NULL:
+                self.out_device_mask[i] = self.out_mask[i]
+                masked += 1
+        if masked:
+            cllm_slot_table_masked_argmax(self.slot_table, n, <const int32_t *> self.out_seq,
+                                          self.out_device_mask, <int32_t *> out, self.n_threads)
 
     cdef void _host_logits(self, int n) noexcept nogil:
         """Point out_host[i] at the host's logits of output i, once the step is over. With
@@ -1035,16 +1057,16 @@ cdef class Context:
                     sched_yield()  # the filling takes well under a millisecond
                 return
 
-    cdef void _check_host_rows(self, const int[::1] seq_ids, const int[::1] sample,
-                               const int[::1] top_logprobs, const int[::1] mask_rows) except *:
-        """Log-probabilities and bitmasks need a row's logits on the host."""
+    cdef void _check_logprob_rows(self, const int[::1] seq_ids, const int[::1] sample,
+                                  const int[::1] top_logprobs) except *:
+        """Log-probabilities need a row's logits on the host (a bitmask is applied where
+        the row is sampled)."""
         cdef Py_ssize_t r
         for r in range(seq_ids.shape[0]):
-            if sample[r] and self.in_graph[seq_ids[r]] and (
-                    (top_logprobs is not None and top_logprobs[r] >= 0)
-                    or (mask_rows is not None and mask_rows[r] >= 0)):
+            if (sample[r] and self.in_graph[seq_ids[r]] and top_logprobs is not None
+                    and top_logprobs[r] >= 0):
                 raise ValueError(f"sequence {seq_ids[r]} is sampled in the graph: log-probabilities "
-                                 "and bitmasks need set_sampler(host_logits=True)")
+                                 "need set_sampler(host_logits=True)")
 
     cdef void _check_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
                           const int[::1] tokens) except *:

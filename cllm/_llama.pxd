@@ -186,3 +186,6 @@ cdef extern from "slot_sampler.h" nogil:
     void cllm_slot_sampler_ban_eog(llama_sampler * chain, bint ban)
     float * cllm_slot_table_host_rows(const cllm_slot_table * table)
     int cllm_slot_table_read_logits(const cllm_slot_table * table, int32_t first_slot, int32_t n)
+    int cllm_slot_table_masked_argmax(cllm_slot_table * table, int32_t n, const int32_t * slots,
+                                      const uint32_t * const * masks, int32_t * tokens,
+                                      int n_threads)

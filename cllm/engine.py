@@ -413,7 +413,7 @@ class Engine:
                 min_p=p.min_p, repeat_penalty=p.repeat_penalty,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                 seed=p.seed, history=seq.prompt_token_ids + seq.output_token_ids,
-                ban_eog=p.ignore_eos, host_logits=p.logprobs is not None or p.grammar is not None)
+                ban_eog=p.ignore_eos, host_logits=p.logprobs is not None)
 
     def _decode(self, out: SchedulerOutput, rows: StepRows, outbox: _Outbox):
         try:

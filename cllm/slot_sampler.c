@@ -23,6 +23,13 @@
  * device, written only when a slot's ban changes: per-slot graph inputs instead are placed on
  * the CPU by ggml's scheduler, and copying 128 of them to the GPU every step cost more than
  * the logits did (H200, bench/results/h200-slot-samplers/).
+ *
+ * A greedy row constrained by a grammar gets its bitmask only while the step computes (the
+ * matchers advance meanwhile), too late for the step's graph. Once the step has finished, a
+ * small graph of our own on the same device (cllm_slot_table_masked_argmax) adds the rows'
+ * bitmasks, expanded there from 16-bit halves, to their slots' logits and takes the argmax:
+ * the bitmasks go up (6 KB a row for a 49k vocabulary) and the tokens come back, where reading
+ * the rows' logits back to the host (192 KB a row) took most of a constrained step's sampling.
  */
 #include "slot_sampler.h"
 
@@ -50,7 +57,49 @@ struct cllm_slot_table {
     /* The graph being built or run: each row's slot (its input) and each row's token. */
     struct ggml_tensor * row_slots;
     struct ggml_tensor * tokens;
+    ggml_backend_buffer_type_t buft; /* the logits' device's */
+    struct slot_masker * masker;     /* made at the first masked choice */
 };
+
+/* Bitmasks reach the device as 16-bit halves, each the index of a row of a pattern table whose
+   row p holds 16 biases: 0 for each set bit of p, -inf for each clear one. ggml_get_rows then
+   expands a row's bitmask (n_vocab / 8 bytes) into its n_vocab biases on the device; uploading
+   the biases themselves would move 16 times more. */
+#define MASK_PATTERN_BITS 16
+
+/* What the masked choice on the device needs: a backend of its own for the logits' device (a
+   second stream beside llama.cpp's, which does not share its backends), the pattern table, the
+   graph's allocator, and page-locked staging for the graph's inputs and output. */
+struct slot_masker {
+    ggml_backend_t backend;
+    struct ggml_context * ctx;
+    ggml_backend_buffer_t buffer;  /* the pattern table's */
+    struct ggml_tensor * patterns; /* F16 [MASK_PATTERN_BITS, 2^MASK_PATTERN_BITS] */
+    ggml_gallocr_t galloc;
+    ggml_backend_buffer_t staging_buffer;
+    int32_t * staging; /* n_slots slots, then their bitmasks' halves, then their tokens */
+    int32_t n_halves;  /* 16-bit halves of one bitmask */
+};
+
+static void masker_free(struct slot_masker * k);
+
+/* `size` bytes on the host, page-locked where `buft`'s device offers such memory (`*buffer`
+   then holds them), else malloc's (`*buffer` NULL). */
+static void * alloc_host(ggml_backend_buffer_type_t buft, size_t size,
+                         ggml_backend_buffer_t * buffer) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    ggml_backend_buffer_type_t host = dev != NULL ? ggml_backend_dev_host_buffer_type(dev) : NULL;
+    *buffer = host != NULL ? ggml_backend_buft_alloc_buffer(host, size) : NULL;
+    return *buffer != NULL ? ggml_backend_buffer_get_base(*buffer) : malloc(size);
+}
+
+static void free_host(ggml_backend_buffer_t buffer, void * data) {
+    if (buffer != NULL) {
+        ggml_backend_buffer_free(buffer);
+    } else {
+        free(data);
+    }
+}
 
 struct slot_sampler {
     struct cllm_slot_table * table;
@@ -87,11 +136,8 @@ void cllm_slot_table_release(struct cllm_slot_table * t) {
     if (t->buffer != NULL) {
         ggml_backend_buffer_free(t->buffer);
     }
-    if (t->host_buffer != NULL) {
-        ggml_backend_buffer_free(t->host_buffer);
-    } else {
-        free(t->host_rows);
-    }
+    free_host(t->host_buffer, t->host_rows);
+    masker_free(t->masker);
     if (t->ctx != NULL) {
         ggml_free(t->ctx);
     }
@@ -109,13 +155,7 @@ int cllm_slot_table_ready(const struct cllm_slot_table * t) {
  * 3's) back. */
 static int slot_table_alloc_host_rows(struct cllm_slot_table * t, ggml_backend_buffer_type_t buft) {
     size_t size = (size_t) t->n_vocab * (size_t) t->n_slots * sizeof(float);
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-    ggml_backend_buffer_type_t host = dev != NULL ? ggml_backend_dev_host_buffer_type(dev) : NULL;
-    if (host != NULL) {
-        t->host_buffer = ggml_backend_buft_alloc_buffer(host, size);
-    }
-    t->host_rows = t->host_buffer != NULL ? ggml_backend_buffer_get_base(t->host_buffer)
-                                          : malloc(size);
+    t->host_rows = alloc_host(buft, size, &t->host_buffer);
     return t->host_rows != NULL;
 }
 
@@ -144,6 +184,7 @@ static int slot_table_alloc(struct cllm_slot_table * t, ggml_backend_buffer_type
     }
     t->bias = bias;
     t->logits = logits;
+    t->buft = buft;
     return 1;
 }
 
@@ -308,4 +349,182 @@ int cllm_slot_table_read_logits(const struct cllm_slot_table * t, int32_t first_
     size_t offset = (size_t) first_slot * rows->nb[1];
     ggml_backend_tensor_get(rows, (char *) t->host_rows + offset, offset, (size_t) n * rows->nb[1]);
     return 0;
+}
+
+static void masker_free(struct slot_masker * k) {
+    if (k == NULL) {
+        return;
+    }
+    if (k->galloc != NULL) {
+        ggml_gallocr_free(k->galloc);
+    }
+    if (k->buffer != NULL) {
+        ggml_backend_buffer_free(k->buffer);
+    }
+    if (k->ctx != NULL) {
+        ggml_free(k->ctx);
+    }
+    free_host(k->staging_buffer, k->staging);
+    if (k->backend != NULL) {
+        ggml_backend_free(k->backend);
+    }
+    free(k);
+}
+
+/* The pattern table on the device: row p, column b is 0 when bit b of p is set, else -inf. */
+static int masker_fill_patterns(struct slot_masker * k) {
+    const size_t n_rows = (size_t) 1 << MASK_PATTERN_BITS;
+    ggml_fp16_t * rows = malloc(n_rows * MASK_PATTERN_BITS * sizeof(ggml_fp16_t));
+    if (rows == NULL) {
+        return 0;
+    }
+    const ggml_fp16_t allowed = ggml_fp32_to_fp16(0.0f), banned = ggml_fp32_to_fp16(-INFINITY);
+    for (size_t p = 0; p < n_rows; p++) {
+        for (int b = 0; b < MASK_PATTERN_BITS; b++) {
+            rows[p * MASK_PATTERN_BITS + (size_t) b] = (p >> b) & 1 ? allowed : banned;
+        }
+    }
+    ggml_backend_tensor_set(k->patterns, rows, 0, ggml_nbytes(k->patterns));
+    free(rows);
+    return 1;
+}
+
+/* A CPU device's backend computes with `n_threads` (the context's); other devices ignore it. */
+static void masker_set_threads(struct slot_masker * k, int n_threads) {
+    ggml_backend_dev_t dev = ggml_backend_get_device(k->backend);
+    ggml_backend_reg_t reg = dev != NULL ? ggml_backend_dev_backend_reg(dev) : NULL;
+    ggml_backend_set_n_threads_t set = reg == NULL ? NULL : (ggml_backend_set_n_threads_t)
+        ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+    if (set != NULL && n_threads > 0) {
+        set(k->backend, n_threads);
+    }
+}
+
+static struct slot_masker * masker_new(const struct cllm_slot_table * t, int n_threads) {
+    struct slot_masker * k = calloc(1, sizeof(*k));
+    if (k == NULL) {
+        return NULL;
+    }
+    k->n_halves = 2 * ((t->n_vocab + 31) / 32);
+    struct ggml_init_params params = {
+        /* .mem_size   = */ ggml_tensor_overhead(),
+        /* .mem_buffer = */ NULL,
+        /* .no_alloc   = */ true,
+    };
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(t->buft);
+    if (dev == NULL && ggml_backend_buft_is_host(t->buft)) {  /* the CPU's names no device */
+        dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    }
+    k->backend = dev != NULL ? ggml_backend_dev_init(dev, NULL) : NULL;
+    k->ctx = ggml_init(params);
+    if (k->backend == NULL || k->ctx == NULL) {
+        masker_free(k);
+        return NULL;
+    }
+    masker_set_threads(k, n_threads);
+    k->patterns = ggml_new_tensor_2d(k->ctx, GGML_TYPE_F16, MASK_PATTERN_BITS,
+                                     (int64_t) 1 << MASK_PATTERN_BITS);
+    k->buffer = ggml_backend_alloc_ctx_tensors_from_buft(k->ctx, t->buft);
+    k->galloc = ggml_gallocr_new(t->buft);
+    size_t staging = (size_t) t->n_slots * (2 + (size_t) k->n_halves) * sizeof(int32_t);
+    k->staging = alloc_host(t->buft, staging, &k->staging_buffer);
+    if (k->buffer == NULL || k->galloc == NULL || k->staging == NULL
+            || !masker_fill_patterns(k)) {
+        masker_free(k);
+        return NULL;
+    }
+    return k;
+}
+
+/* The graph of the choice for `n` rows: their slots' last logits plus their slots' biases plus
+   their bitmasks' biases, and the argmax of each row. */
+static struct ggml_tensor * masked_tokens(const struct cllm_slot_table * t,
+                                          struct ggml_context * ctx, int32_t n,
+                                          struct ggml_tensor ** slots, struct ggml_tensor ** halves) {
+    const struct slot_masker * k = t->masker;
+    *slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    *halves = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n * k->n_halves);
+    ggml_set_input(*slots);
+    ggml_set_input(*halves);
+    struct ggml_tensor * expanded = ggml_get_rows(ctx, k->patterns, *halves);
+    struct ggml_tensor * mask_bias = ggml_view_2d(
+        ctx, expanded, t->n_vocab, n, (size_t) k->n_halves * MASK_PATTERN_BITS * sizeof(float), 0);
+    struct ggml_tensor * logits = ggml_add(ctx, ggml_get_rows(ctx, t->logits, *slots),
+                                           ggml_get_rows(ctx, t->bias, *slots));
+    struct ggml_tensor * tokens = ggml_argmax(ctx, ggml_add(ctx, logits, mask_bias));
+    ggml_set_output(tokens);
+    return tokens;
+}
+
+/* Stage the rows that have a bitmask: their slots, then their bitmasks as 16-bit halves.
+   Returns how many. */
+static int32_t masker_stage(const struct cllm_slot_table * t, int32_t n, const int32_t * slots,
+                            const uint32_t * const * masks) {
+    const struct slot_masker * k = t->masker;
+    int32_t * row_slots = k->staging;
+    int32_t * halves = row_slots + t->n_slots;
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (masks[i] == NULL) {
+            continue;
+        }
+        row_slots[m] = slots[i];
+        int32_t * row = halves + (size_t) m * (size_t) k->n_halves;
+        for (int32_t w = 0; w < k->n_halves / 2; w++) {
+            row[2 * w] = (int32_t) (masks[i][w] & 0xFFFFu);
+            row[2 * w + 1] = (int32_t) (masks[i][w] >> 16);
+        }
+        m++;
+    }
+    return m;
+}
+
+int cllm_slot_table_masked_argmax(struct cllm_slot_table * t, int32_t n, const int32_t * slots,
+                                  const uint32_t * const * masks, int32_t * tokens,
+                                  int n_threads) {
+    if (t->logits == NULL || n < 0 || n > t->n_slots) {
+        return -1;
+    }
+    if (t->masker == NULL && (t->masker = masker_new(t, n_threads)) == NULL) {
+        return -1;
+    }
+    const struct slot_masker * k = t->masker;
+    const int32_t m = masker_stage(t, n, slots, masks);
+    if (m == 0) {
+        return 0;
+    }
+    const size_t graph_size = 16;
+    struct ggml_init_params params = {
+        /* .mem_size   = */ graph_size * ggml_tensor_overhead()
+                            + ggml_graph_overhead_custom(graph_size, false),
+        /* .mem_buffer = */ NULL,
+        /* .no_alloc   = */ true,
+    };
+    struct ggml_context * ctx = ggml_init(params);
+    if (ctx == NULL) {
+        return -1;
+    }
+    struct ggml_tensor * row_slots, * halves;
+    struct ggml_tensor * chosen = masked_tokens(t, ctx, m, &row_slots, &halves);
+    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size, false);
+    ggml_build_forward_expand(gf, chosen);
+    int rc = -1;
+    if (ggml_gallocr_alloc_graph(k->galloc, gf)) {
+        int32_t * staged_halves = k->staging + t->n_slots;
+        int32_t * out = staged_halves + (size_t) t->n_slots * (size_t) k->n_halves;
+        ggml_backend_tensor_set(row_slots, k->staging, 0, (size_t) m * sizeof(int32_t));
+        ggml_backend_tensor_set(halves, staged_halves, 0,
+                                (size_t) m * (size_t) k->n_halves * sizeof(int32_t));
+        if (ggml_backend_graph_compute(k->backend, gf) == GGML_STATUS_SUCCESS) {
+            ggml_backend_tensor_get(chosen, out, 0, (size_t) m * sizeof(int32_t));
+            for (int32_t i = 0, j = 0; i < n; i++) {
+                if (masks[i] != NULL) {
+                    tokens[i] = out[j++];
+                }
+            }
+            rc = 0;
+        }
+    }
+    ggml_free(ctx);
+    return rc;
 }

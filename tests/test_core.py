@@ -497,16 +497,59 @@ def test_host_rows_of_adjacent_slots_read_back_together_keep_their_own_logits(mo
         assert graph_chosen == pytest.approx(host_chosen, abs=1e-4)
 
 
-def test_a_sequence_sampled_in_the_graph_refuses_logprobs_and_bitmasks(graph_ctx, model):
+def test_bitmask_rows_sampled_in_the_graph_choose_among_their_allowed_tokens_as_the_host_does(
+        graph_ctx, model):
+    """Greedy rows sampled in the graph with a bitmask take the device's masked choice, in a
+    step and in a decode run whose after_step refills the bitmasks: the tokens a context that
+    samples on the host picks, where the unmasked argmax is mostly forbidden. Beside them, an
+    unmasked graph row, a banned end token, a sampled row with a bitmask, and a bitmask that
+    allows only the vocabulary's last token (the last word's high bits)."""
+    host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True)
+    words = graph_ctx.mask_words
+    digits = array("i", bytes(4 * words))
+    for token in model.tokenize("0123456789", add_special=False):
+        digits[token // 32] |= 1 << (token % 32)
+    last = only(model.n_vocab - 1, words)
+    kinds = [{}, {"ban_eog": True}, {}, {"temperature": 0.8, "seed": 7}, {}]
+    mask_rows = ints([0, 1, -1, 0, 2])
+
+    def run(context):
+        masks = digits + digits + last
+        tokens = [model.tokenize(p) for p in PROMPTS[:len(kinds)]]
+        for seq_id, kind in enumerate(kinds):
+            context.set_sampler(seq_id, **kind)
+        rows = ints(range(len(kinds)))
+        first = context.step(rows, ints([0] * len(kinds)), ints([len(t) for t in tokens]),
+                             ints([1] * len(kinds)), ints([t for row in tokens for t in row]),
+                             None, mask_rows, masks)
+
+        def after_step(going_on, more):  # row 1 next allows only the token after its last
+            if going_on[1] >= 0:
+                masks[words:2 * words] = only((going_on[1] + 1) % model.n_vocab, words)
+            return []
+
+        run_tokens, counts = context.decode_run(rows, ints([len(t) for t in tokens]), first,
+                                                ints([6] * len(kinds)), 6, mask_rows, masks,
+                                                None, after_step)
+        for seq_id in range(len(kinds)):
+            context.remove_sequence(seq_id)
+        return list(first), list(run_tokens), list(counts)
+
+    graph_run, host_run = run(graph_ctx), run(host_ctx)
+    assert graph_run == host_run
+    first, run_tokens, _ = graph_run
+    assert model.token_to_piece(first[0]).decode() in "0123456789"
+    assert first[4] == run_tokens[4 * 6] == model.n_vocab - 1
+    assert [run_tokens[6 + i + 1] for i in range(5)] == [t + 1 for t in run_tokens[6:11]]
+    assert graph_ctx.kv_cells_used() == 0
+
+
+def test_a_sequence_sampled_in_the_graph_refuses_logprobs(graph_ctx, model):
     tokens = model.tokenize(PROMPTS[0])
     graph_ctx.set_sampler(1)
-    masks = array("i", [-1]) * graph_ctx.mask_words
     with pytest.raises(ValueError, match="host_logits"):
         graph_ctx.step(ints([1]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
                        ints([2]))
-    with pytest.raises(ValueError, match="host_logits"):
-        graph_ctx.step(ints([1]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
-                       None, ints([0]), masks)
     graph_ctx.set_sampler(1, host_logits=True)
     _, lp = graph_ctx.step(ints([1]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
                            ints([2]))
