@@ -968,7 +968,8 @@ def test_metrics_say_where_the_engine_threads_time_went(http):
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
     assert r.status_code == 200
     steps = steptimer.summarize(steptimer.since(counts(), before))
-    assert steps["steps"] >= 5  # the prompt's step, then a call for each of four decodes or fewer
+    # the prompt's step, then four decode steps: a call each, or fewer calls of decode runs
+    assert steps["steps"] * steps["forward_steps_per_step"] >= 5
     assert steps["forward_steps_per_step"] >= 1 and steps["rows_per_step"] >= 1
     phases = {"inbox", "schedule", "prepare", "decode", "postprocess", "handoff"}
     assert {key for key in steps if key.endswith("_ms")} == {f"{p}_ms" for p in phases}
@@ -977,52 +978,79 @@ def test_metrics_say_where_the_engine_threads_time_went(http):
 
 # ---- the prefix cache over HTTP ----
 
-def test_usage_reports_cached_prompt_tokens(client, http):
+@pytest.fixture(scope="module")
+def fresh():
+    """A server of its own for the prefix cache's tests. In one pool (a GPU's default), idle
+    prompts stay cached only while enough recent requests reused such prompts (ARCHITECTURE.md,
+    "What finished sequences leave cached"), and this module's other tests send many one-shot
+    prompts: after them, the same server would rightly drop a new prompt when it ends."""
+    with ServerProcess() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def fresh_http(fresh):
+    with httpx.Client(base_url=fresh.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def fresh_client(fresh):
+    with openai.OpenAI(base_url=fresh.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as client:
+        yield client
+
+
+def test_usage_reports_cached_prompt_tokens(fresh_client, fresh_http):
     """A second request with the same long prefix reports it cached, streamed or whole;
     cache_prompt=false computes it all again."""
     prefix = "The lighthouse keeper's log, winter of 1901. " * 30
-    first = http.post("/v1/completions", json={"prompt": prefix + "Entry one:", "max_tokens": 4})
+    first = fresh_http.post("/v1/completions",
+                            json={"prompt": prefix + "Entry one:", "max_tokens": 4})
     assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # The prefix, less what the layout recomputes: on a CPU, prompts are reused in whole blocks
     # of 64 tokens (ARCHITECTURE.md).
-    n_prefix = n_tokens(http, prefix) - 64
-    whole = client.completions.create(model=MODEL, prompt=prefix + "Entry two:", max_tokens=4)
+    n_prefix = n_tokens(fresh_http, prefix) - 64
+    whole = fresh_client.completions.create(model=MODEL, prompt=prefix + "Entry two:",
+                                            max_tokens=4)
     assert whole.usage.prompt_tokens_details.cached_tokens >= n_prefix
-    _, body = post_stream(http, "/v1/completions", {
+    _, body = post_stream(fresh_http, "/v1/completions", {
         "prompt": prefix + "Entry three:", "max_tokens": 4, "stream": True,
         "stream_options": {"include_usage": True}})
     usage = sse_payloads(body)[-1]["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= n_prefix
-    off = http.post("/v1/completions", json={"prompt": prefix + "Entry two:", "max_tokens": 4,
-                                             "cache_prompt": False})
+    off = fresh_http.post("/v1/completions", json={"prompt": prefix + "Entry two:",
+                                                   "max_tokens": 4, "cache_prompt": False})
     assert off.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    error = assert_error(http.post("/v1/completions", json={"prompt": "x", "cache_prompt": "no"}),
-                         400)
+    error = assert_error(fresh_http.post("/v1/completions",
+                                         json={"prompt": "x", "cache_prompt": "no"}), 400)
     assert "cache_prompt" in error["message"]
 
 
-def test_the_next_chat_turn_starts_from_the_last_one(client):
+def test_the_next_chat_turn_starts_from_the_last_one(fresh_client):
     messages = [{"role": "system", "content": "You answer in one short sentence. " * 10},
                 {"role": "user", "content": "Name a colour."}]
-    turn1 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                           temperature=0)
+    turn1 = fresh_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                 temperature=0)
     messages += [{"role": "assistant", "content": turn1.choices[0].message.content},
                  {"role": "user", "content": "And another one?"}]
-    turn2 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                           temperature=0)
+    turn2 = fresh_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                 temperature=0)
     assert turn2.usage.prompt_tokens_details.cached_tokens >= turn1.usage.prompt_tokens - 64
 
 
-def test_metrics_count_prefix_cache_lookups_and_hits(http):
-    before = metrics(http)
+def test_metrics_count_prefix_cache_lookups_and_hits(fresh_http):
+    before = metrics(fresh_http)
     prompt = "A ledger of ships that passed the cape, one per line. " * 20
     for _ in range(2):
-        assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
-    after = metrics(http)
-    looked_up = after["cllm_prefix_cache_queries_total"] - before.get("cllm_prefix_cache_queries_total", 0)
+        r = fresh_http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200
+    after = metrics(fresh_http)
+    looked_up = (after["cllm_prefix_cache_queries_total"]
+                 - before.get("cllm_prefix_cache_queries_total", 0))
     found = after["cllm_prefix_cache_hits_total"] - before.get("cllm_prefix_cache_hits_total", 0)
-    assert looked_up == 2 * n_tokens(http, prompt)
-    assert found >= n_tokens(http, prompt) - 64
+    assert looked_up == 2 * n_tokens(fresh_http, prompt)
+    assert found >= n_tokens(fresh_http, prompt) - 64
     assert after["cllm_prefix_cache_cells"] > 0
 
 
