@@ -68,21 +68,16 @@ struct cllm_slot_table {
 #define MASK_PATTERN_BITS 16
 
 /* What the masked choice on the device needs: a backend of its own for the logits' device (a
-   second stream beside llama.cpp's, which does not share its backends), the pattern table, each
-   slot's last bitmask as halves, and one graph over every slot, built and allocated once: a
-   graph whose shape changed with the step's rows made ggml's CUDA backend capture a new CUDA
-   graph at most steps (sampling 1.15 ms a 64-row step over HTTP against 0.39 with steady rows). */
+   second stream beside llama.cpp's, which does not share its backends), the pattern table, the
+   graph's allocator, and page-locked staging for the graph's inputs and output. */
 struct slot_masker {
     ggml_backend_t backend;
-    struct ggml_context * ctx;     /* the pattern table, the halves, the graph */
-    ggml_backend_buffer_t buffer;  /* the pattern table's and the halves' */
+    struct ggml_context * ctx;
+    ggml_backend_buffer_t buffer;  /* the pattern table's */
     struct ggml_tensor * patterns; /* F16 [MASK_PATTERN_BITS, 2^MASK_PATTERN_BITS] */
-    struct ggml_tensor * halves;   /* I32 [n_halves * n_slots]: each slot's last bitmask */
-    struct ggml_cgraph * graph;
-    struct ggml_tensor * tokens;   /* I32 [n_slots]: each slot's masked choice */
     ggml_gallocr_t galloc;
     ggml_backend_buffer_t staging_buffer;
-    int32_t * staging; /* page-locked: the halves as on the device, then the tokens */
+    int32_t * staging; /* n_slots slots, then their bitmasks' halves, then their tokens */
     int32_t n_halves;  /* 16-bit halves of one bitmask */
 };
 
@@ -405,31 +400,14 @@ static void masker_set_threads(struct slot_masker * k, int n_threads) {
     }
 }
 
-/* Every slot's choice: its last logits plus its bias plus its bitmask's biases (expanded from
-   its halves through the pattern table), and the argmax of each. */
-static struct ggml_tensor * masked_tokens(const struct cllm_slot_table * t,
-                                          const struct slot_masker * k, struct ggml_context * ctx) {
-    struct ggml_tensor * expanded = ggml_reshape_2d(
-        ctx, ggml_get_rows(ctx, k->patterns, k->halves), (int64_t) MASK_PATTERN_BITS * k->n_halves,
-        t->n_slots);
-    struct ggml_tensor * mask_bias = ggml_view_2d(ctx, expanded, t->n_vocab, t->n_slots,
-                                                  expanded->nb[1], 0);
-    struct ggml_tensor * logits = ggml_add(ctx, t->logits, t->bias);
-    struct ggml_tensor * tokens = ggml_argmax(ctx, ggml_add(ctx, logits, mask_bias));
-    ggml_set_output(tokens);
-    return tokens;
-}
-
 static struct slot_masker * masker_new(const struct cllm_slot_table * t, int n_threads) {
     struct slot_masker * k = calloc(1, sizeof(*k));
     if (k == NULL) {
         return NULL;
     }
     k->n_halves = 2 * ((t->n_vocab + 31) / 32);
-    const size_t graph_size = 16;
     struct ggml_init_params params = {
-        /* .mem_size   = */ (2 + graph_size) * ggml_tensor_overhead()
-                            + ggml_graph_overhead_custom(graph_size, false),
+        /* .mem_size   = */ ggml_tensor_overhead(),
         /* .mem_buffer = */ NULL,
         /* .no_alloc   = */ true,
     };
@@ -446,84 +424,107 @@ static struct slot_masker * masker_new(const struct cllm_slot_table * t, int n_t
     masker_set_threads(k, n_threads);
     k->patterns = ggml_new_tensor_2d(k->ctx, GGML_TYPE_F16, MASK_PATTERN_BITS,
                                      (int64_t) 1 << MASK_PATTERN_BITS);
-    k->halves = ggml_new_tensor_1d(k->ctx, GGML_TYPE_I32, (int64_t) k->n_halves * t->n_slots);
     k->buffer = ggml_backend_alloc_ctx_tensors_from_buft(k->ctx, t->buft);
-    k->tokens = masked_tokens(t, k, k->ctx);
-    k->graph = ggml_new_graph_custom(k->ctx, graph_size, false);
-    ggml_build_forward_expand(k->graph, k->tokens);
     k->galloc = ggml_gallocr_new(t->buft);
-    size_t staging = (size_t) t->n_slots * (1 + (size_t) k->n_halves) * sizeof(int32_t);
+    size_t staging = (size_t) t->n_slots * (2 + (size_t) k->n_halves) * sizeof(int32_t);
     k->staging = alloc_host(t->buft, staging, &k->staging_buffer);
     if (k->buffer == NULL || k->galloc == NULL || k->staging == NULL
-            || !ggml_gallocr_alloc_graph(k->galloc, k->graph)) {
-        masker_free(k);
-        return NULL;
-    }
-    /* Halves that index the table, read or not: a span may upload slots never staged. */
-    ggml_backend_buffer_clear(k->buffer, 0);
-    memset(k->staging, 0, staging);
-    if (!masker_fill_patterns(k)) {
+            || !masker_fill_patterns(k)) {
         masker_free(k);
         return NULL;
     }
     return k;
 }
 
-/* Stage each masked row's bitmask as halves in its slot's row; the span of slots staged, as
-   [*first, *last], or *last < *first when no row has a bitmask. */
-static void masker_stage(const struct cllm_slot_table * t, int32_t n, const int32_t * slots,
-                         const uint32_t * const * masks, int32_t * first, int32_t * last) {
+/* The graph of the choice for `n` rows: their slots' last logits plus their slots' biases plus
+   their bitmasks' biases, and the argmax of each row. */
+static struct ggml_tensor * masked_tokens(const struct cllm_slot_table * t,
+                                          struct ggml_context * ctx, int32_t n,
+                                          struct ggml_tensor ** slots, struct ggml_tensor ** halves) {
     const struct slot_masker * k = t->masker;
-    *first = t->n_slots;
-    *last = -1;
+    *slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    *halves = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n * k->n_halves);
+    ggml_set_input(*slots);
+    ggml_set_input(*halves);
+    struct ggml_tensor * expanded = ggml_get_rows(ctx, k->patterns, *halves);
+    struct ggml_tensor * mask_bias = ggml_view_2d(
+        ctx, expanded, t->n_vocab, n, (size_t) k->n_halves * MASK_PATTERN_BITS * sizeof(float), 0);
+    struct ggml_tensor * logits = ggml_add(ctx, ggml_get_rows(ctx, t->logits, *slots),
+                                           ggml_get_rows(ctx, t->bias, *slots));
+    struct ggml_tensor * tokens = ggml_argmax(ctx, ggml_add(ctx, logits, mask_bias));
+    ggml_set_output(tokens);
+    return tokens;
+}
+
+/* Stage the rows that have a bitmask: their slots, then their bitmasks as 16-bit halves.
+   Returns how many. */
+static int32_t masker_stage(const struct cllm_slot_table * t, int32_t n, const int32_t * slots,
+                            const uint32_t * const * masks) {
+    const struct slot_masker * k = t->masker;
+    int32_t * row_slots = k->staging;
+    int32_t * halves = row_slots + t->n_slots;
+    int32_t m = 0;
     for (int32_t i = 0; i < n; i++) {
         if (masks[i] == NULL) {
             continue;
         }
-        int32_t * row = k->staging + (size_t) slots[i] * (size_t) k->n_halves;
+        row_slots[m] = slots[i];
+        int32_t * row = halves + (size_t) m * (size_t) k->n_halves;
         for (int32_t w = 0; w < k->n_halves / 2; w++) {
             row[2 * w] = (int32_t) (masks[i][w] & 0xFFFFu);
             row[2 * w + 1] = (int32_t) (masks[i][w] >> 16);
         }
-        *first = slots[i] < *first ? slots[i] : *first;
-        *last = slots[i] > *last ? slots[i] : *last;
+        m++;
     }
+    return m;
 }
 
 int cllm_slot_table_masked_argmax(struct cllm_slot_table * t, int32_t n, const int32_t * slots,
                                   const uint32_t * const * masks, int32_t * tokens,
                                   int n_threads) {
-    if (t->logits == NULL || n < 0) {
+    if (t->logits == NULL || n < 0 || n > t->n_slots) {
         return -1;
-    }
-    for (int32_t i = 0; i < n; i++) {
-        if (masks[i] != NULL && (slots[i] < 0 || slots[i] >= t->n_slots)) {
-            return -1;
-        }
     }
     if (t->masker == NULL && (t->masker = masker_new(t, n_threads)) == NULL) {
         return -1;
     }
     const struct slot_masker * k = t->masker;
-    int32_t first, last;
-    masker_stage(t, n, slots, masks, &first, &last);
-    if (last < first) {
+    const int32_t m = masker_stage(t, n, slots, masks);
+    if (m == 0) {
         return 0;
     }
-    /* One copy from the first staged slot to the last: slots between them that this step does
-       not mask carry stale halves, and their choices are not read. */
-    const size_t row = (size_t) k->n_halves * sizeof(int32_t);
-    ggml_backend_tensor_set(k->halves, (const char *) k->staging + (size_t) first * row,
-                            (size_t) first * row, (size_t) (last - first + 1) * row);
-    if (ggml_backend_graph_compute(k->backend, k->graph) != GGML_STATUS_SUCCESS) {
+    const size_t graph_size = 16;
+    struct ggml_init_params params = {
+        /* .mem_size   = */ graph_size * ggml_tensor_overhead()
+                            + ggml_graph_overhead_custom(graph_size, false),
+        /* .mem_buffer = */ NULL,
+        /* .no_alloc   = */ true,
+    };
+    struct ggml_context * ctx = ggml_init(params);
+    if (ctx == NULL) {
         return -1;
     }
-    int32_t * chosen = k->staging + (size_t) t->n_slots * (size_t) k->n_halves;
-    ggml_backend_tensor_get(k->tokens, chosen, 0, (size_t) t->n_slots * sizeof(int32_t));
-    for (int32_t i = 0; i < n; i++) {
-        if (masks[i] != NULL) {
-            tokens[i] = chosen[slots[i]];
+    struct ggml_tensor * row_slots, * halves;
+    struct ggml_tensor * chosen = masked_tokens(t, ctx, m, &row_slots, &halves);
+    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size, false);
+    ggml_build_forward_expand(gf, chosen);
+    int rc = -1;
+    if (ggml_gallocr_alloc_graph(k->galloc, gf)) {
+        int32_t * staged_halves = k->staging + t->n_slots;
+        int32_t * out = staged_halves + (size_t) t->n_slots * (size_t) k->n_halves;
+        ggml_backend_tensor_set(row_slots, k->staging, 0, (size_t) m * sizeof(int32_t));
+        ggml_backend_tensor_set(halves, staged_halves, 0,
+                                (size_t) m * (size_t) k->n_halves * sizeof(int32_t));
+        if (ggml_backend_graph_compute(k->backend, gf) == GGML_STATUS_SUCCESS) {
+            ggml_backend_tensor_get(chosen, out, 0, (size_t) m * sizeof(int32_t));
+            for (int32_t i = 0, j = 0; i < n; i++) {
+                if (masks[i] != NULL) {
+                    tokens[i] = out[j++];
+                }
+            }
+            rc = 0;
         }
     }
-    return 0;
+    ggml_free(ctx);
+    return rc;
 }
