@@ -959,6 +959,7 @@ cdef class Context:
                 if self.out_mask[i] == NULL:
                     out[i] = llama_get_sampled_token_ith(self.ctx, self.out_idx[i])
                 continue
+            out[i] = -1
             row = self.out_host[i]
             if row is NULL:
                 continue
@@ -982,16 +983,16 @@ cdef class Context:
                 out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
 
     cdef void _masked_on_device(self, int n, int * out) noexcept nogil:
-        """Set every output to -1, then give the rows sampled in the graph that have a bitmask
-        the device's masked choice (slot_sampler.c): only their bitmasks go there and their
-        tokens come back, where reading their logits back took most of a constrained 64-row
-        step's sampling on an H200 (the graph's own token ignores the bitmask)."""
+        """Give the rows sampled in the graph that have a bitmask the device's masked choice
+        (slot_sampler.c), -1 where it fails: only their bitmasks go there and their tokens come
+        back, where reading their logits back took most of a constrained 64-row step's sampling
+        on an H200 (the graph's own token ignores the bitmask)."""
         cdef int i, masked = 0
         for i in range(n):
-            out[i] = -1
             self.out_device_mask[i] = NULL
             if self.in_graph[self.out_seq[i]] and self.out_mask[i] != NULL:
                 self.out_device_mask[i] = self.out_mask[i]
+                out[i] = -1
                 masked += 1
         if masked:
             cllm_slot_table_masked_argmax(self.slot_table, n, <const int32_t *> self.out_seq,

@@ -28,8 +28,9 @@
  * matchers advance meanwhile), too late for the step's graph. Once the step has finished, a
  * small graph of our own on the same device (cllm_slot_table_masked_argmax) adds the rows'
  * bitmasks, expanded there from 16-bit halves, to their slots' logits and takes the argmax:
- * the bitmasks go up (6 KB a row for a 49k vocabulary) and the tokens come back, where reading
- * the rows' logits back to the host (192 KB a row) took most of a constrained step's sampling.
+ * the bitmasks go up (12 KB a row for a 49k vocabulary, as int32 indices) and the tokens come
+ * back, where reading the rows' logits back to the host (192 KB a row) took most of a
+ * constrained step's sampling.
  */
 #include "slot_sampler.h"
 

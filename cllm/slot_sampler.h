@@ -46,7 +46,8 @@ int cllm_slot_table_read_logits(const struct cllm_slot_table * table, int32_t fi
 /* The greedy choice, on the logits' device, of each row i < n with a bitmask (masks[i] not NULL:
    bit j % 32 of word j / 32 set where token j is allowed) among its allowed tokens, from the last
    logits of slot slots[i] and its bias, into tokens[i]; rows without one are left as they are.
-   Only the bitmasks (n_vocab / 8 bytes a row) go to the device and only the tokens come back.
+   Only the bitmasks (as 16-bit halves in int32s: n_vocab / 4 bytes a row) go to the device and
+   only the tokens come back.
    After the decode that computed the logits has finished; on a CPU device with `n_threads`.
    0, or -1 when the table has no rows yet, n is out of range or the device failed. */
 int cllm_slot_table_masked_argmax(struct cllm_slot_table * table, int32_t n,
