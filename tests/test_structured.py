@@ -43,10 +43,13 @@ def validates(text: str, schema: dict) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def engine(model_path):
-    eng = Engine(EngineConfig(n_ctx=16 * 512, n_parallel=16, n_threads=2, kv_unified=False),
-                 model_path)
+@pytest.fixture(scope="module", params=[False, True], ids=["host-sampling", "graph-sampling"])
+def engine(model_path, request):
+    """Split streams (batch-invariant on a CPU), sampling on the host, then in the graph as on a
+    GPU, where greedy constrained rows take the device's masked choice (the CPU backend runs the
+    same graphs here)."""
+    eng = Engine(EngineConfig(n_ctx=16 * 512, n_parallel=16, n_threads=2, kv_unified=False,
+                              backend_sampling=request.param), model_path)
     yield eng
     eng.shutdown()
 
