@@ -940,10 +940,9 @@ cdef class Context:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
         one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Rows
         sampled in the graph take its token, or with a bitmask the device's masked choice;
-        those with a sampler chain go in turn, the greedy
-        ones by an argmax spread over the threads (on a GPU the logits of a 64-row step are
-        12 MB; one core scanning them took a third of the step), each masked first in the same
-        loop. The caller has waited for the step (llama_synchronize). out_host names where each
+        those with a sampler chain go in turn, the greedy ones by an argmax spread over the
+        threads (on a GPU the logits of a 64-row step are 12 MB; one core scanning them took a
+        third of the step), each masked first in the same loop. The caller has waited for the step (llama_synchronize). out_host names where each
         output's logits lie on the host afterwards."""
         cdef int i, n_greedy = 0
         cdef llama_sampler * chain

@@ -1,6 +1,4 @@
 """Shared fixtures: the real models, fetched once into the user cache, and HTTP clients."""
-import httpx
-import openai
 import pytest
 
 from cllm.models import resolve_model
@@ -38,14 +36,13 @@ def pytest_addoption(parser):
 # a module may set HTTP_TIMEOUT (seconds, default 120) for slow requests.
 @pytest.fixture(scope="module")
 def http(request, server):
-    with httpx.Client(base_url=server.url, timeout=_timeout(request)) as client:
+    with server.http_client(_timeout(request)) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def client(request, server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=_timeout(request)) as c:
+    with server.openai_client(_timeout(request)) as c:
         yield c
 
 

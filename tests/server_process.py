@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from cllm.bench.servers import free_port
 
@@ -105,6 +106,14 @@ class ServerProcess:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def http_client(self, timeout: float = 120) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def openai_client(self, timeout: float = 120, api_key: str = "unused") -> openai.OpenAI:
+        """The official SDK on this server, retrying nothing (a test sees every answer)."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
+                             timeout=timeout)
 
     @property
     def stdout(self) -> str:

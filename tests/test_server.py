@@ -990,14 +990,13 @@ def fresh():
 
 @pytest.fixture(scope="module")
 def fresh_http(fresh):
-    with httpx.Client(base_url=fresh.url, timeout=120) as client:
+    with fresh.http_client() as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def fresh_client(fresh):
-    with openai.OpenAI(base_url=fresh.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as client:
+    with fresh.openai_client() as client:
         yield client
 
 
