@@ -1,7 +1,10 @@
 """KV layout probe: what a prompt's prefill and a decode step cost in one unified pool and with
 split streams, into an empty cache and beside other sequences' cells. Through the core alone.
 
-    python bench/probe_kv_layout.py [MODEL] [--threads N]"""
+    python bench/probe_kv_layout.py [MODEL] [--threads N] [--seqs 8] [--prompt 1450] [--steps 20]
+
+On a GPU, e.g. `--seqs 64 --prompt 300 --steps 100`: a decode row of one pool is masked over
+every sequence's cells, and the host builds that mask each step."""
 import argparse
 import random
 import time
@@ -10,7 +13,6 @@ from array import array
 from cllm import _core
 from cllm.models import resolve_model
 
-N_SEQS, PROMPT, CTX = 8, 1450, 16384
 
 
 def prefill(ctx, seq_id, tokens):
@@ -26,35 +28,38 @@ def timed(fn, *args):
     return time.perf_counter() - start
 
 
-def probe(model, unified: bool, threads: int) -> str:
-    ctx = _core.Context(model, n_ctx=CTX, n_seq_max=N_SEQS, n_batch=512, n_ubatch=512,
-                        n_threads=threads, kv_unified=unified)
+def probe(model, unified: bool, args) -> str:
+    n_seqs, prompt = args.seqs, args.prompt
+    ctx = _core.Context(model, n_ctx=n_seqs * (prompt + args.steps + 256), n_seq_max=n_seqs,
+                        n_batch=512, n_ubatch=512, n_threads=args.threads, kv_unified=unified)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT)] for _ in range(N_SEQS)]
+    prompts = [[rng.randrange(100, 40000) for _ in range(prompt)] for _ in range(n_seqs)]
     empty = timed(prefill, ctx, 0, prompts[0])
-    for seq_id in range(1, N_SEQS - 1):
+    for seq_id in range(1, n_seqs - 1):
         prefill(ctx, seq_id, prompts[seq_id])
-    beside = timed(prefill, ctx, N_SEQS - 1, prompts[-1])
-    rows = array("i", range(N_SEQS))
-    steps = 20
+    beside = timed(prefill, ctx, n_seqs - 1, prompts[-1])
+    rows = array("i", range(n_seqs))
     start = time.perf_counter()
-    for k in range(steps):
-        ctx.step(rows, array("i", [PROMPT + k] * N_SEQS), array("i", [1] * N_SEQS),
-                 array("i", [1] * N_SEQS), array("i", [200] * N_SEQS))
-    decode = (time.perf_counter() - start) / steps
-    return (f"{'one pool' if unified else 'split':>8}: prefill {PROMPT} into an empty cache "
-            f"{empty:.2f} s, beside {N_SEQS - 1} x {PROMPT} {beside:.2f} s; "
-            f"{N_SEQS}-row decode step {decode * 1000:.1f} ms")
+    for k in range(args.steps):
+        ctx.step(rows, array("i", [prompt + k] * n_seqs), array("i", [1] * n_seqs),
+                 array("i", [1] * n_seqs), array("i", [200] * n_seqs))
+    decode = (time.perf_counter() - start) / args.steps
+    return (f"{'one pool' if unified else 'split':>8}: prefill {prompt} into an empty cache "
+            f"{empty:.2f} s, beside {n_seqs - 1} x {prompt} {beside:.2f} s; "
+            f"{n_seqs}-row decode step {decode * 1000:.2f} ms")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model", nargs="?", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=1450, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
     args = parser.parse_args()
     model = _core.Model(str(resolve_model(args.model)))
     for unified in (True, False):
-        print(probe(model, unified, args.threads), flush=True)
+        print(probe(model, unified, args), flush=True)
 
 
 if __name__ == "__main__":
