@@ -311,6 +311,9 @@ cdef class Context:
     cdef readonly int n_ctx, n_ctx_seq, n_seq_max, n_batch, n_vocab
     cdef readonly int mask_words  # uint32 words of one token bitmask: a bit per vocabulary entry
     cdef readonly bint kv_unified, aligned_prefill, backend_sampling
+    # Whether greedy rows sampled in the graph with a bitmask take the device's masked choice;
+    # where it fails it is turned off and the host masks them, reading their logits back.
+    cdef public bint device_masks
     # Split streams: a decode run's step fills a gap of up to this many idle streams between
     # its rows with a placeholder row each (see _fill_gap); 0: never.
     cdef readonly int max_stream_gap
@@ -366,6 +369,7 @@ cdef class Context:
         self.kv_unified = kv_unified
         self.aligned_prefill = aligned_prefill and not kv_unified
         self.backend_sampling = backend_sampling
+        self.device_masks = backend_sampling
         # A placeholder row's cell would count against its stream's sliding window, where
         # llama.cpp may then reuse a cell the stream's cached prompt still needs.
         self.max_stream_gap = (0 if kv_unified or llama_model_n_swa(model.model) > 0
@@ -939,8 +943,9 @@ cdef class Context:
     cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
         one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Rows
-        sampled in the graph take its token, or with a bitmask the device's masked choice;
-        those with a sampler chain go in turn, the greedy ones by an argmax spread over the
+        sampled in the graph take its token, or with a bitmask the device's masked choice (the
+        host's, over their logits read back, where device_masks is off); those with a sampler
+        chain go in turn, the greedy ones by an argmax spread over the
         threads (on a GPU the logits of a 64-row step are 12 MB; one core scanning them took a
         third of the step), each masked first in the same loop. The caller has waited for the step (llama_synchronize). out_host names where each
         output's logits lie on the host afterwards."""
@@ -957,9 +962,13 @@ cdef class Context:
             if self.in_graph[self.out_seq[i]]:
                 if self.out_mask[i] == NULL:
                     out[i] = llama_get_sampled_token_ith(self.ctx, self.out_idx[i])
-                continue
+                    continue
+                if self.out_device_mask[i] != NULL:
+                    continue  # the device chose
+                row = self._slot_logits(self.out_seq[i])
+            else:
+                row = self.out_host[i]
             out[i] = -1
-            row = self.out_host[i]
             if row is NULL:
                 continue
             if chain is not NULL:
@@ -983,19 +992,30 @@ cdef class Context:
 
     cdef void _masked_on_device(self, int n, int * out) noexcept nogil:
         """Give the rows sampled in the graph that have a bitmask the device's masked choice
-        (slot_sampler.c), -1 where it fails: only their bitmasks go there and their tokens come
-        back, where reading their logits back took most of a constrained 64-row step's sampling
-        on an H200 (the graph's own token ignores the bitmask)."""
+        (slot_sampler.c), marking them in out_device_mask: only their bitmasks go there and
+        their tokens come back, where reading their logits back took most of a constrained
+        64-row step's sampling on an H200 (the graph's own token ignores the bitmask). Where
+        the device fails, none is marked, and device_masks goes off for the context's life."""
         cdef int i, masked = 0
         for i in range(n):
             self.out_device_mask[i] = NULL
-            if self.in_graph[self.out_seq[i]] and self.out_mask[i] != NULL:
+            if (self.device_masks and self.in_graph[self.out_seq[i]]
+                    and self.out_mask[i] != NULL):
                 self.out_device_mask[i] = self.out_mask[i]
-                out[i] = -1
                 masked += 1
-        if masked:
-            cllm_slot_table_masked_argmax(self.slot_table, n, <const int32_t *> self.out_seq,
-                                          self.out_device_mask, <int32_t *> out, self.n_threads)
+        if masked and cllm_slot_table_masked_argmax(
+                self.slot_table, n, <const int32_t *> self.out_seq, self.out_device_mask,
+                <int32_t *> out, self.n_threads) != 0:
+            self.device_masks = False
+            for i in range(n):
+                self.out_device_mask[i] = NULL
+
+    cdef float * _slot_logits(self, int seq_id) noexcept nogil:
+        """The host's copy of the last logits of a sequence sampled in the graph, NULL if they
+        could not be read back."""
+        if cllm_slot_table_read_logits(self.slot_table, seq_id, 1) != 0:
+            return NULL
+        return cllm_slot_table_host_rows(self.slot_table) + <size_t> seq_id * self.n_vocab
 
     cdef void _host_logits(self, int n) noexcept nogil:
         """Point out_host[i] at the host's logits of output i, once the step is over. With

@@ -497,13 +497,17 @@ def test_host_rows_of_adjacent_slots_read_back_together_keep_their_own_logits(mo
         assert graph_chosen == pytest.approx(host_chosen, abs=1e-4)
 
 
+@pytest.mark.parametrize("device_masks", [True, False], ids=["device-choice", "host-fallback"])
 def test_bitmask_rows_sampled_in_the_graph_choose_among_their_allowed_tokens_as_the_host_does(
-        graph_ctx, model):
-    """Greedy rows sampled in the graph with a bitmask take the device's masked choice, in a
+        graph_ctx, model, device_masks):
+    """Greedy rows sampled in the graph with a bitmask take the device's masked choice (or,
+    where that is off, as after it failed, the host's over their logits read back), in a
     step and in a decode run whose after_step refills the bitmasks: the tokens a context that
     samples on the host picks, where the unmasked argmax is mostly forbidden. Beside them, an
     unmasked graph row, a banned end token, a sampled row with a bitmask, and a bitmask that
     allows only the vocabulary's last token (the last word's high bits)."""
+    assert graph_ctx.device_masks
+    graph_ctx.device_masks = device_masks
     host_ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True)
     words = graph_ctx.mask_words
     digits = array("i", bytes(4 * words))
@@ -535,7 +539,10 @@ def test_bitmask_rows_sampled_in_the_graph_choose_among_their_allowed_tokens_as_
             context.remove_sequence(seq_id)
         return list(first), list(run_tokens), list(counts)
 
-    graph_run, host_run = run(graph_ctx), run(host_ctx)
+    try:
+        graph_run, host_run = run(graph_ctx), run(host_ctx)
+    finally:
+        graph_ctx.device_masks = True
     assert graph_run == host_run
     first, run_tokens, _ = graph_run
     assert model.token_to_piece(first[0]).decode() in "0123456789"
