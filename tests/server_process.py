@@ -107,8 +107,10 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def http_client(self, timeout: float = 120) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+    def http_client(self, timeout: float = 120, api_key: str | None = None) -> httpx.Client:
+        """A plain HTTP client on this server, sending `api_key` as a bearer token if given."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def openai_client(self, timeout: float = 120, api_key: str = "unused") -> openai.OpenAI:
         """The official SDK on this server, retrying nothing (a test sees every answer)."""

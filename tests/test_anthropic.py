@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import anthropic
 import httpx
-import openai
 import pytest
 
 from cllm.anthropic import parse_request
@@ -63,7 +62,7 @@ def client(server):
 
 
 def chat_completion(server, max_tokens: int):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="secret", max_retries=0) as c:
+    with server.openai_client(api_key="secret") as c:
         return c.chat.completions.create(model=MODEL, messages=TURNS, max_tokens=max_tokens,
                                          temperature=0)
 

@@ -53,7 +53,7 @@ def test_models_retrieve_by_served_name_or_repository(client, http):
 
 def test_served_model_name_names_the_model_everywhere():
     with ServerProcess("--served-model-name", "my-model", "--parallel", "1") as srv:
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as c:
+        with srv.openai_client() as c:
             assert [m.id for m in c.models.list()] == ["my-model"]
             assert c.models.retrieve("my-model").model_extra["root"] == REPO
             r = c.completions.create(model="my-model", prompt=PROMPT, max_tokens=2)

@@ -106,7 +106,7 @@ BODIES = {
 @pytest.fixture(scope="module")
 def http():
     with ServerProcess("--ctx-size", "1024", "--parallel", "4") as srv, \
-            httpx.Client(base_url=srv.url, timeout=TIMEOUT) as client:
+            srv.http_client(TIMEOUT) as client:
         yield client
         print("\nresponses by (route, status):", dict(sorted(STATUSES.items())))
         assert "Traceback" not in srv.log, srv.log[-3000:]

@@ -59,8 +59,7 @@ def test_rejections_name_the_field(fields, param):
 @pytest.fixture(scope="module")
 def client():
     with ServerProcess("--parallel", "2") as srv:
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
-                           timeout=120) as c:
+        with srv.openai_client() as c:
             yield c
 
 

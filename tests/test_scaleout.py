@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from server_process import ServerProcess, listening_process
 
@@ -53,15 +52,13 @@ def server(mark):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT,
-                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+    with server.http_client(HTTP_TIMEOUT, api_key=KEY) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
-                       timeout=HTTP_TIMEOUT) as c:
+    with server.openai_client(HTTP_TIMEOUT, api_key=KEY) as c:
         yield c
 
 

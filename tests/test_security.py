@@ -13,7 +13,6 @@ import struct
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 from packaging.requirements import Requirement  # pytest's own dependency
 
@@ -39,8 +38,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+    with server.http_client(60, api_key=KEY) as client:
         yield client
 
 
@@ -68,7 +66,7 @@ NEAR_MISSES = [  # Authorization header values
     ("POST", "/tokenize", {"content": "Hi"}), ("POST", "/detokenize", {"tokens": [1]}),
 ])
 def test_near_miss_keys_are_refused(server, method, path, body):
-    with httpx.Client(base_url=server.url, timeout=60) as raw:
+    with server.http_client(60) as raw:
         for value in NEAR_MISSES:
             r = raw.request(method, path, json=body, headers={"Authorization": value})
             error = assert_error(r, 401, generate=path == "/generate")
@@ -85,7 +83,7 @@ def test_with_an_api_key_any_host_header_is_served(http):
 
 
 def test_health_needs_no_key_but_nothing_else_hides_behind_it(server):
-    with httpx.Client(base_url=server.url, timeout=60) as raw:
+    with server.http_client(60) as raw:
         assert raw.get("/health").status_code == 200
         for path in ("/health/", "/health/../metrics", "/%6detrics", "/v1/models?/health"):
             assert raw.get(path).status_code == 401, path
@@ -191,7 +189,7 @@ def test_hostile_chat_template_is_refused(model_path, tmp_path, template):
     gguf = tmp_path / "hostile.gguf"
     with_chat_template(model_path, gguf, template.replace("MARKER", str(marker)))
     with ServerProcess("--model", str(gguf), "--ctx-size", "512", "--parallel", "1") as srv, \
-            httpx.Client(base_url=srv.url, timeout=60) as http:
+            srv.http_client(60) as http:
         r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
         error = assert_error(r, 400, type_="invalid_request_error")
         assert error["message"].startswith("chat template error:"), error
@@ -219,7 +217,7 @@ def test_resource_hungry_chat_template_is_stopped(model_path, tmp_path, template
     gguf = tmp_path / "hungry.gguf"
     with_chat_template(model_path, gguf, template)
     with ServerProcess("--model", str(gguf), "--parallel", "2", "--template-timeout", "2") as srv, \
-            httpx.Client(base_url=srv.url, timeout=30) as http:
+            srv.http_client(30) as http:
         with StreamGaps(srv.url) as gaps:
             r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
             assert http.get("/health").status_code == 200

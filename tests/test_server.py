@@ -298,7 +298,7 @@ def test_template_that_writes_bos_gets_no_second_one(gemma_path, tmp_path):
                    check=True, capture_output=True, timeout=600)
     rendered = ChatTemplate(GEMMA_TEMPLATE, bos_token="<bos>", eos_token="<eos>").render(CHAT)
     with ServerProcess("--model", str(gguf), "--ctx-size", "512", "--parallel", "1") as srv, \
-            httpx.Client(base_url=srv.url, timeout=60) as http:
+            srv.http_client(60) as http:
         tokens = http.post("/tokenize", json={"content": rendered}).json()["tokens"]
         assert tokens[0] != tokens[1]  # one BOS: the template's
         r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
@@ -471,7 +471,7 @@ def test_unknown_route(http, method, path, status):
 
 def test_prompt_longer_than_the_context(limits):
     long_text = "hello " * 300  # about 300 tokens; the context holds 256
-    with httpx.Client(base_url=limits.url, timeout=60) as http:
+    with limits.http_client(60) as http:
         for path, body, generate in [
             ("/v1/completions", {"prompt": long_text, "max_tokens": 1}, False),
             ("/v1/completions", {"prompt": [1] * 300, "max_tokens": 1, "stream": True}, False),
@@ -490,7 +490,7 @@ def test_prompt_longer_than_the_context(limits):
 
 def test_body_too_large(limits):
     big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
-    with httpx.Client(base_url=limits.url, timeout=60) as http:
+    with limits.http_client(60) as http:
         for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
             assert_error(http.post(path, content=big), 413)
         assert_error(http.post("/generate", content=big), 413, generate=True)
@@ -507,7 +507,7 @@ def test_body_too_large(limits):
 def test_request_timeout():
     body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
     with ServerProcess("--request-timeout", "0.5") as srv, \
-            httpx.Client(base_url=srv.url, timeout=60) as http:
+            srv.http_client(60) as http:
         assert_error(http.post("/v1/completions", json=body), 408, code="request_timeout")
         assert_error(http.post("/generate", json=body), 408, generate=True,
                      code="request_timeout")
@@ -526,7 +526,7 @@ def test_request_timeout():
 
 def test_api_key():
     with ServerProcess("--api-key", "s3cret") as srv, \
-            httpx.Client(base_url=srv.url, timeout=60) as http:
+            srv.http_client(60) as http:
         routes = [
             ("GET", "/v1/models", None), ("GET", "/metrics", None),
             ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
@@ -547,10 +547,10 @@ def test_api_key():
             assert r.status_code == 200, (path, r.text)
         assert_error(http.get("/nowhere"), 401)  # routes that do not exist are refused too
         assert http.get("/health").status_code == 200  # no key needed
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) as bad:
+        with srv.openai_client(api_key="wrong") as bad:
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0) as good:
+        with srv.openai_client(api_key="s3cret") as good:
             assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
 
 
@@ -570,7 +570,7 @@ def test_queue_full_is_429_with_retry_after():
     """One sequence at a time and one waiting: with one running and one queued, the next
     request is refused at once."""
     with ServerProcess("--parallel", "1", "--max-queue", "1") as srv, \
-            httpx.Client(base_url=srv.url, timeout=120) as http:
+            srv.http_client(120) as http:
         long_body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
         with http.stream("POST", "/v1/completions", json={**long_body, "stream": True}) as holder:
             assert holder.status_code == 200
@@ -674,7 +674,7 @@ def test_health_is_200_only_when_a_completion_succeeds():
     srv = ServerProcess().spawn()
     try:
         deadline, health = time.monotonic() + 120, None
-        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60) as http:
+        with srv.http_client(60) as http:
             while time.monotonic() < deadline:
                 assert srv.proc.poll() is None, srv.log
                 try:
