@@ -945,10 +945,11 @@ cdef class Context:
         one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Rows
         sampled in the graph take its token, or with a bitmask the device's masked choice (the
         host's, over their logits read back, where device_masks is off); those with a sampler
-        chain go in turn, the greedy ones by an argmax spread over the
-        threads (on a GPU the logits of a 64-row step are 12 MB; one core scanning them took a
-        third of the step), each masked first in the same loop. The caller has waited for the step (llama_synchronize). out_host names where each
-        output's logits lie on the host afterwards."""
+        chain go in turn, the greedy ones by an argmax spread over the threads (on a GPU the
+        logits of a 64-row step are 12 MB; one core scanning them took a third of the step),
+        each masked first in the same loop. The caller has waited for the step
+        (llama_synchronize). out_host names where each output's logits lie on the host
+        afterwards."""
         cdef int i, n_greedy = 0
         cdef llama_sampler * chain
         cdef float ** logits = self.out_logits
