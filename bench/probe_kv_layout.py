@@ -14,7 +14,6 @@ from cllm import _core
 from cllm.models import resolve_model
 
 
-
 def prefill(ctx, seq_id, tokens):
     for start in range(0, len(tokens), ctx.n_batch):
         n = min(ctx.n_batch, len(tokens) - start)
