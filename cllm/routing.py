@@ -12,6 +12,7 @@ from collections.abc import Hashable, Iterable, Mapping
 SESSION_HEADER = "x-session-id"
 PREFIX_CHARS = 1024  # prompt characters hashed: about 250 tokens of English
 LOAD_FACTOR = 1.25  # a replica takes at most this times the mean load (plus the new request)
+SLACK_SHARE = 4  # ...or, with free slots, up to 1/SLACK_SHARE of its slots above the least loaded
 VIRTUAL_NODES = 64  # points per replica on the ring: an even share with a handful of replicas
 
 # Fields that make a prompt, in the order the chat templates put them first.
@@ -99,7 +100,11 @@ class HashRing:
         busy is passed over while another has one free: a request queued behind a full replica
         waits longer than it takes to prefill its prefix elsewhere, and the free slot idles.
         When every replica is full, the request queues where the fewest wait (the key's own
-        replica among equals): its queue empties no later than the others'."""
+        replica among equals): its queue empties no later than the others'. Below that, a
+        replica keeps its keys while it holds at most a quarter of its slots more than the least
+        loaded, whatever the mean: a GPU replica steps about as fast with a few more rows, and a
+        key sent away prefills its whole prefix again there (SGLang's cache-aware router
+        likewise balances only past an absolute difference)."""
         if not self.replicas:
             raise ValueError("no replicas to choose from")
         order = self.order(key)
@@ -108,7 +113,8 @@ class HashRing:
         total = sum(loads.get(r, 0) for r in order)
         bound = math.ceil(self.load_factor * (total + 1) / len(order))
         if capacity is not None:
-            bound = min(bound, capacity)
+            least = min(loads.get(r, 0) for r in order)
+            bound = min(max(bound, least + 1 + capacity // SLACK_SHARE), capacity)
         # One always fits: the least loaded holds at most the mean, rounded down, and has a
         # free slot.
         return next(r for r in order if loads.get(r, 0) + 1 <= bound)
