@@ -21,7 +21,9 @@
 #                                 card, the benchmark clients on the other cores)
 #   bash bench/gpu/ray_scaling.sh prefix             2 replicas: prefix-aware vs random routing
 #                                 (DOCUMENTS=N PREFIX_TOKENS=T: the shared-prefix workload over
-#                                 N documents of T tokens, default 1 of 1,400)
+#                                 N documents of T tokens, default 1 of 1,400; WORKLOADS="sp mt"
+#                                 picks shared-prefix, multi-turn or both, ROUTINGS="prefix
+#                                 random" the routings)
 #   bash bench/gpu/ray_scaling.sh proxy              the plain server vs Ray, one stream
 # GPUS defaults to the GPUs nvidia-smi lists. JSON (and each server's log) go to $OUT, with
 # watch-TAG.txt for each Ray run: the busiest processes and each replica's running/waiting
@@ -280,16 +282,20 @@ independent)  # the host's own ceiling: N plain servers, one per card, no Ray, l
   ;;
 prefix)  # shared-prefix and multi-turn on 2 replicas, each routing on fresh caches
   SHARE=(); [ "$GPUS" = 1 ] && SHARE=(--gpus-per-replica 0.5)  # one card: both on it
-  for routing in prefix random; do
-    start sp-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
-    bench sp-$routing --workload shared-prefix --concurrency $((PER_REPLICA / 2)) \
-          --requests $((PER_REPLICA * REQUESTS_PER / 2)) --warmup 0 --max-tokens 32 \
-          --documents "${DOCUMENTS:-1}" --prefix-tokens "${PREFIX_TOKENS:-1400}"
-    stop "$PID"
-    start mt-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
-    bench mt-$routing --workload multi-turn --turns 6 --concurrency $((PER_REPLICA / 2)) \
-          --requests $((PER_REPLICA * REQUESTS_PER)) --warmup 0 --max-tokens 48
-    stop "$PID"
+  for routing in ${ROUTINGS:-prefix random}; do
+    if [[ " ${WORKLOADS:-sp mt} " == *" sp "* ]]; then
+      start sp-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
+      bench sp-$routing --workload shared-prefix --concurrency $((PER_REPLICA / 2)) \
+            --requests $((PER_REPLICA * REQUESTS_PER / 2)) --warmup 0 --max-tokens 32 \
+            --documents "${DOCUMENTS:-1}" --prefix-tokens "${PREFIX_TOKENS:-1400}"
+      stop "$PID"
+    fi
+    if [[ " ${WORKLOADS:-sp mt} " == *" mt "* ]]; then
+      start mt-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
+      bench mt-$routing --workload multi-turn --turns 6 --concurrency $((PER_REPLICA / 2)) \
+            --requests $((PER_REPLICA * REQUESTS_PER)) --warmup 0 --max-tokens 48
+      stop "$PID"
+    fi
   done
   summary sp- mt-
   ;;
