@@ -102,9 +102,9 @@ class HashRing:
         When every replica is full, the request queues where the fewest wait (the key's own
         replica among equals): its queue empties no later than the others'. Below that, a
         replica keeps its keys while it holds at most a quarter of its slots more than the least
-        loaded, whatever the mean: a GPU replica steps about as fast with a few more rows, and a
-        key sent away prefills its whole prefix again there (SGLang's cache-aware router
-        likewise balances only past an absolute difference)."""
+        loaded, whatever the mean: a key sent away prefills its whole prefix again there and
+        evicts another's (ARCHITECTURE.md, "Scale-out": TTFT p50 halved on 18 long documents;
+        SGLang's cache-aware router likewise balances only past an absolute difference)."""
         if not self.replicas:
             raise ValueError("no replicas to choose from")
         order = self.order(key)

@@ -96,7 +96,7 @@ def test_a_replica_with_every_slot_busy_is_passed_over_while_another_has_one():
 def test_with_free_slots_a_key_stays_within_a_quarter_of_the_slots_above_the_least_loaded():
     ring = HashRing(["a", "b"], load_factor=1.25)
     first, second = ring.order("k")
-    # 1.25x the mean alone would spill at 21 of 33; with 64 slots it stays up to 12 + 1 + 16.
+    # The mean's bound, ceil(1.25 * 41 / 2) = 26, would spill; with 64 slots it holds 12 + 1 + 16.
     assert ring.choose("k", {first: 28, second: 12}, capacity=64) == first
     assert ring.choose("k", {first: 29, second: 12}, capacity=64) == second
     assert ring.choose("k", {first: 28, second: 12}) == second  # no capacity: the mean's bound
