@@ -282,20 +282,21 @@ independent)  # the host's own ceiling: N plain servers, one per card, no Ray, l
   ;;
 prefix)  # shared-prefix and multi-turn on 2 replicas, each routing on fresh caches
   SHARE=(); [ "$GPUS" = 1 ] && SHARE=(--gpus-per-replica 0.5)  # one card: both on it
+  # on_fresh_replicas WORKLOAD ROUTING BENCH_ARGS...: 2 new replicas, the workload if WORKLOADS
+  # names it, then down again (each routing starts from empty caches).
+  on_fresh_replicas() {
+    local workload=$1 routing=$2; shift 2
+    [[ " ${WORKLOADS:-sp mt} " == *" $workload "* ]] || return 0
+    start $workload-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
+    bench $workload-$routing --concurrency $((PER_REPLICA / 2)) --warmup 0 "$@"
+    stop "$PID"
+  }
   for routing in ${ROUTINGS:-prefix random}; do
-    if [[ " ${WORKLOADS:-sp mt} " == *" sp "* ]]; then
-      start sp-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
-      bench sp-$routing --workload shared-prefix --concurrency $((PER_REPLICA / 2)) \
-            --requests $((PER_REPLICA * REQUESTS_PER / 2)) --warmup 0 --max-tokens 32 \
-            --documents "${DOCUMENTS:-1}" --prefix-tokens "${PREFIX_TOKENS:-1400}"
-      stop "$PID"
-    fi
-    if [[ " ${WORKLOADS:-sp mt} " == *" mt "* ]]; then
-      start mt-$routing --replicas 2 --routing $routing "${SHARE[@]}" || exit 1
-      bench mt-$routing --workload multi-turn --turns 6 --concurrency $((PER_REPLICA / 2)) \
-            --requests $((PER_REPLICA * REQUESTS_PER)) --warmup 0 --max-tokens 48
-      stop "$PID"
-    fi
+    on_fresh_replicas sp $routing --workload shared-prefix --max-tokens 32 \
+        --requests $((PER_REPLICA * REQUESTS_PER / 2)) \
+        --documents "${DOCUMENTS:-1}" --prefix-tokens "${PREFIX_TOKENS:-1400}"
+    on_fresh_replicas mt $routing --workload multi-turn --turns 6 --max-tokens 48 \
+        --requests $((PER_REPLICA * REQUESTS_PER))
   done
   summary sp- mt-
   ;;
