@@ -213,6 +213,13 @@ cdef class Model:
             capacity = -n
         return tokens.tolist()[:n]
 
+    @property
+    def native_tokenizer(self):
+        """(the vocabulary's address, llama_tokenize's address), valid while this Model lives:
+        for a library that tokenizes from its own threads (llguidance) without calling back
+        into Python, whose GIL each call would have to take."""
+        return <size_t> self.vocab, <size_t> <void *> llama_tokenize
+
     def token_to_piece(self, int token, bint special=False):
         """The bytes of one token: a piece of a multi-byte UTF-8 character may stand alone.
         ValueError for an id outside the vocabulary (llama.cpp would abort the process), such

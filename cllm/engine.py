@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from array import array
@@ -170,9 +171,10 @@ class Engine:
                                    first_tokens_apart=aligned,
                                    stream_gap_fill=self.ctx.max_stream_gap)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
-        # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on a thread of
-        # their own.
-        self._masks = structured.MaskFiller(self.ctx.mask_words, overlap=gpu)
+        # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on threads of
+        # their own. On a CPU every core is llama.cpp's: one thread, before the step.
+        self._masks = structured.MaskFiller(self.ctx.mask_words, overlap=gpu,
+                                            threads=_mask_threads() if gpu else 1)
         self.timer = StepTimer()
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where runs of 8 lost 9-14% at 32 streams and
@@ -620,6 +622,12 @@ def default_stream_gap_fill() -> int:
     is asked: on a GPU an extra forward pass costs about as much as ~50 rows (ARCHITECTURE.md,
     "Scattered split streams"); on a CPU a row costs more than a pass."""
     return 64 if _core.supports_gpu_offload() else 0
+
+
+def _mask_threads() -> int:
+    """llguidance's threads for a GPU step's bitmasks, which the host fills while the GPU
+    decodes: half the cores, at most 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _slots(n_parallel: int, kv_unified: bool) -> int:

@@ -65,28 +65,23 @@ class Grammar:
         return self._prototype.deep_copy()
 
 
-class _Vocabulary:
-    """The model's vocabulary as llguidance's TokenizerWrapper reads it: each token's bytes,
-    control tokens marked with a leading 0xff byte (text never spells them)."""
-
-    def __init__(self, model) -> None:
-        self._model = model
-        self.eos_token_id = model.eos_token
-        self.bos_token_id = model.bos_token if model.bos_token >= 0 else None
-        self.tokens = [b"\xff" + model.token_to_piece(t, True) if model.is_control(t)
-                       else model.token_to_piece(t, True) for t in range(model.n_vocab)]
-
-    def __call__(self, text):
-        if isinstance(text, bytes):
-            raise TypeError("text only")  # TokenizerWrapper then passes str
-        return self._model.tokenize(text, add_special=False, parse_special=False)
+def _token_bytes(model) -> list[bytes]:
+    """Each token's bytes as llguidance reads them, control tokens marked with a leading 0xff
+    byte (text never spells them)."""
+    return [b"\xff" + model.token_to_piece(t, True) if model.is_control(t)
+            else model.token_to_piece(t, True) for t in range(model.n_vocab)]
 
 
 def tokenizer_of(model) -> llguidance.LLTokenizer:
-    """llguidance's tokenizer for a cllm Model (about a second for a 50k vocabulary)."""
+    """llguidance's tokenizer for a cllm Model (about a second for a 50k vocabulary), which
+    tokenizes through llama.cpp directly: a Python tokenizer would take the GIL each time a
+    matcher tokenizes (forced text, hundreds of times in a thousand tokens of a JSON schema),
+    and on a busy server each wait for the GIL costs up to Python's 5 ms switch interval
+    (ARCHITECTURE.md, "Structured output"). The model must outlive it (Grammars keeps it)."""
     eog = list(model.eog_tokens) or [model.eos_token]
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(model)),
-                                  n_vocab=model.n_vocab, eos_token=eog)
+    vocab, tokenize = model.native_tokenizer
+    return llguidance.LLTokenizer.from_llamacpp(tokens=_token_bytes(model), vocab_ptr=vocab,
+                                                tokenize_fptr=tokenize, eos_token=eog)
 
 
 class Grammars:
@@ -180,17 +175,20 @@ class Masks:
 
 
 class MaskFiller:
-    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each, in turn:
-    llguidance's own thread pool (LLExecutor) was slower, on the 2-core CPU (waking it cost
-    150-800 us a row against ~15 us in turn) and on a 16-core GPU host alike (64 rows: 1.6-3.0
-    ms on 2-14 threads against 1.5-1.9 in turn; ARCHITECTURE.md).
+    """Fills one step's bitmasks, one per constrained row, `words` uint32 words each, in one
+    call into llguidance (LLExecutor, on `threads` threads of its own) that lets go of the GIL
+    once for all of them: a call a row let go of it a row at a time, and on a busy server each
+    row then waited for the event loop to hand the GIL back (on the 2-core Xeon, beside a
+    thread running Python, 64 rows took 231 ms that way against 7 in one call; ARCHITECTURE.md,
+    "Structured output").
     `overlap`: the bitmasks are filled on a thread of their own while the step decodes, and the
     core waits for them before it samples: on a GPU the decode leaves the CPU idle."""
 
-    def __init__(self, words: int, overlap: bool = False) -> None:
+    def __init__(self, words: int, overlap: bool = False, threads: int = 1) -> None:
         self.words = words
         self._buffer = array("i")
         self._ready = array("i", [1])  # one flag, so that a decode run's pointer to it holds
+        self._executor = llguidance.LLExecutor(threads)
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="cllm-masks") if overlap
                         else None)
 
@@ -216,10 +214,10 @@ class MaskFiller:
     def _fill(self, matchers: list[llguidance.LLMatcher | None],
               ready: array | None = None) -> None:
         try:
-            address, nbytes = self._buffer.buffer_info()[0], 4 * self.words
-            for i, matcher in enumerate(matchers):
-                if matcher is not None:  # each call releases the GIL
-                    matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
+            rows = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
+            if rows:
+                self._executor.unsafe_compute_mask_ptr(rows, self._buffer.buffer_info()[0],
+                                                       4 * self.words, len(matchers))
         finally:
             if ready is not None:
                 ready[0] = 1  # also after a failure: the core must never wait forever

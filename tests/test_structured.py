@@ -130,6 +130,7 @@ def test_the_vocabulary_comes_from_the_gguf(engine):
     assert set(tokenizer.eos_tokens) == set(model.eog_tokens)
     text = 'A "quoted" word, {and} braces.'
     assert tokenizer.decode_bytes(model.tokenize(text, add_special=False)) == text.encode()
+    assert tokenizer.tokenize_str(text) == model.tokenize(text, add_special=False)
     assert tokenizer.is_special_token(model.eos_token)  # <|im_end|> is never spelled by text
 
 
@@ -146,18 +147,29 @@ def _matchers_midway(engine, n: int) -> list:
     return matchers
 
 
-def test_masks_filled_while_decoding_equal_masks_filled_at_once(engine):
+def test_masks_filled_in_one_call_equal_each_matchers_own(engine):
+    """MaskFiller fills every row's bitmask in one call into llguidance's threads, before the
+    step or while it decodes: each equals the bitmask its matcher computes alone."""
     words = engine.ctx.mask_words
-    at_once = MaskFiller(words)
-    other = MaskFiller(words, overlap=True)
-    matchers = _matchers_midway(engine, 8)
-    expected = bytes(at_once.fill(matchers).data)
-    assert len(set(expected[i * 4 * words:(i + 1) * 4 * words] for i in range(8))) > 1
-    masks = other.fill(matchers)
-    masks.wait()
-    assert bytes(masks.data) == expected
-    assert masks.ready is None or masks.ready[0] == 1
-    other.close()
+    # compute_bitmask's bytes run a word past the vocabulary's
+    expected = [m.compute_bitmask()[:4 * words] for m in _matchers_midway(engine, 8)]
+    assert len(set(expected)) > 1
+    for filler in (MaskFiller(words), MaskFiller(words, overlap=True, threads=4)):
+        masks = filler.fill(_matchers_midway(engine, 8))
+        masks.wait()
+        assert [bytes(masks.data[i * words:(i + 1) * words]) for i in range(8)] == expected
+        assert masks.ready is None or masks.ready[0] == 1
+        filler.close()
+
+
+def test_a_row_without_a_matcher_keeps_its_bitmask(engine):
+    filler = MaskFiller(engine.ctx.mask_words)
+    first, second, third = _matchers_midway(engine, 3)
+    kept = bytes(filler.fill([first, second]).data[:engine.ctx.mask_words])
+    masks = filler.fill([None, third])
+    assert bytes(masks.data[:engine.ctx.mask_words]) == kept
+    assert bytes(masks.data[engine.ctx.mask_words:]) == bytes(
+        MaskFiller(engine.ctx.mask_words).fill([_matchers_midway(engine, 3)[2]]).data)
 
 
 def test_the_engine_overlapping_masks_with_the_decode_gives_the_same_outputs(model_path, engine):
