@@ -28,7 +28,7 @@ ROWS = (1, 8, 64)
 
 
 class LLGuidance:
-    """Masks filled in turn on the calling thread, as cllm does (structured.MaskFiller)."""
+    """Masks filled a row at a time on the calling thread, a call into llguidance each."""
     name = "llguidance"
 
     def __init__(self, model) -> None:
@@ -60,7 +60,8 @@ class LLGuidance:
 
 
 class LLGuidanceExecutor(LLGuidance):
-    """Masks filled by llguidance's thread pool (LLExecutor), all rows in one call."""
+    """Masks filled by llguidance's thread pool (LLExecutor), all rows in one call, as cllm
+    does (structured.MaskFiller)."""
 
     def fill(self, matchers, bitmask) -> None:
         self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
