@@ -106,6 +106,7 @@ cdef class Model:
     cdef const llama_vocab * vocab
     cdef readonly str path
     cdef readonly tuple eog_tokens  # every token that ends generation (EOS, EOT, ...), by id
+    cdef object __weakref__
 
     def __cinit__(self, path, int n_gpu_layers=-1, bint repack=False):
         self.path = os.fspath(path)

@@ -54,12 +54,14 @@ class GrammarError(ValueError):
 
 class Grammar:
     """A compiled, validated grammar. Each sequence it constrains gets its own matcher: a copy
-    of one built at compile time (copying is cheap; building parses the grammar)."""
-    __slots__ = ("source", "_prototype")
+    of one built at compile time (copying is cheap; building parses the grammar). It keeps its
+    model alive: its matchers tokenize with the model's vocabulary, in C (tokenizer_of)."""
+    __slots__ = ("source", "_prototype", "_model")
 
-    def __init__(self, source: str, prototype: llguidance.LLMatcher) -> None:
+    def __init__(self, source: str, prototype: llguidance.LLMatcher, model) -> None:
         self.source = source
         self._prototype = prototype
+        self._model = model
 
     def matcher(self) -> llguidance.LLMatcher:
         return self._prototype.deep_copy()
@@ -77,7 +79,8 @@ def tokenizer_of(model) -> llguidance.LLTokenizer:
     tokenizes through llama.cpp directly: a Python tokenizer would take the GIL each time a
     matcher tokenizes (forced text, hundreds of times in a thousand tokens of a JSON schema),
     and on a busy server each wait for the GIL costs up to Python's 5 ms switch interval
-    (ARCHITECTURE.md, "Structured output"). The model must outlive it (Grammars keeps it)."""
+    (ARCHITECTURE.md, "Structured output"). The model must outlive it: Grammars and each
+    Grammar keep it."""
     eog = list(model.eog_tokens) or [model.eos_token]
     vocab, tokenize = model.native_tokenizer
     return llguidance.LLTokenizer.from_llamacpp(tokens=_token_bytes(model), vocab_ptr=vocab,
@@ -157,7 +160,7 @@ class Grammars:
         prototype = llguidance.LLMatcher(tokenizer, source, log_level=0)
         if prototype.is_error():
             raise GrammarError(prototype.get_error())
-        return Grammar(source, prototype)
+        return Grammar(source, prototype, self._model)
 
 
 class Masks:

@@ -2,10 +2,12 @@
 bitmasks applied in the core, the engine's matchers, and the HTTP API (response_format,
 json_schema, grammar, tools) through raw HTTP and the openai SDK."""
 import asyncio
+import gc
 import json
 import math
 import re
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
-from cllm.structured import GrammarError, MaskFiller
+from cllm.structured import GrammarError, Grammars, MaskFiller
 from http_checks import assert_error, metrics, sse_payloads
 from server_process import ServerProcess
 from test_core import ON_GPU_NOT_BATCH_INVARIANT
@@ -163,13 +165,29 @@ def test_masks_filled_in_one_call_equal_each_matchers_own(engine):
 
 
 def test_a_row_without_a_matcher_keeps_its_bitmask(engine):
-    filler = MaskFiller(engine.ctx.mask_words)
+    words = engine.ctx.mask_words
+    filler = MaskFiller(words)
     first, second, third = _matchers_midway(engine, 3)
-    kept = bytes(filler.fill([first, second]).data[:engine.ctx.mask_words])
+    kept = bytes(filler.fill([first, second]).data[:words])
     masks = filler.fill([None, third])
-    assert bytes(masks.data[:engine.ctx.mask_words]) == kept
-    assert bytes(masks.data[engine.ctx.mask_words:]) == bytes(
-        MaskFiller(engine.ctx.mask_words).fill([_matchers_midway(engine, 3)[2]]).data)
+    assert bytes(masks.data[:words]) == kept
+    assert bytes(masks.data[words:]) == _matchers_midway(engine, 3)[2].compute_bitmask()[:4 * words]
+
+
+def test_a_grammar_keeps_its_model_alive(model_path):
+    """Its matchers tokenize with the model's vocabulary in C, so the model lives as long as
+    any grammar compiled for it, not only as long as its engine."""
+    model = _core.Model(model_path, n_gpu_layers=0)
+    alive = weakref.ref(model)
+    grammar = Grammars(model).json_schema(SCHEMAS[0]["schema"])
+    del model
+    gc.collect()
+    assert alive() is not None
+    matcher = grammar.matcher()
+    assert matcher.consume_tokens(alive().tokenize('{"', add_special=False))
+    del grammar, matcher
+    gc.collect()
+    assert alive() is None
 
 
 def test_the_engine_overlapping_masks_with_the_decode_gives_the_same_outputs(model_path, engine):
