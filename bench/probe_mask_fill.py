@@ -18,12 +18,10 @@ import threading
 import time
 from array import array
 
-import llguidance
-
 from cllm import _core
 from cllm.bench.prompts import TICKET_SCHEMA
 from cllm.models import resolve_model
-from cllm.structured import Grammars
+from cllm.structured import Grammars, MaskFiller
 
 
 def matchers_midway(model, rows: int, seed: int = 0) -> list:
@@ -45,25 +43,21 @@ def matchers_midway(model, rows: int, seed: int = 0) -> list:
 
 
 class Fills:
-    """The ways to fill every matcher's bitmask into one buffer."""
+    """The ways to fill every matcher's bitmask into one buffer: a call a row (cllm's way
+    before session 32), or structured.MaskFiller's one call on `threads`."""
 
     def __init__(self, matchers: list, words: int) -> None:
-        self.matchers, self.nbytes = matchers, 4 * words
-        self.buffer = array("i", bytes(self.nbytes * len(matchers)))
+        self.matchers, self.words = matchers, words
+        self.buffer = array("i", bytes(4 * words * len(matchers)))
 
     def a_row_at_a_time(self) -> None:
-        address = self.buffer.buffer_info()[0]
+        address, nbytes = self.buffer.buffer_info()[0], 4 * self.words
         for i, matcher in enumerate(self.matchers):
-            matcher.unsafe_compute_mask_ptr(address + i * self.nbytes, self.nbytes)
+            matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
 
     def in_one_call(self, threads: int):
-        executor = llguidance.LLExecutor(threads)
-
-        def fill() -> None:
-            executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(self.matchers)],
-                                             self.buffer.buffer_info()[0], self.nbytes,
-                                             len(self.matchers))
-        return fill
+        filler = MaskFiller(self.words, threads=threads)
+        return lambda: filler.fill(self.matchers)
 
 
 class BusyPython:
