@@ -60,8 +60,9 @@ class LLGuidance:
 
 
 class LLGuidanceExecutor(LLGuidance):
-    """Masks filled by llguidance's thread pool (LLExecutor), all rows in one call, as cllm
-    does (structured.MaskFiller)."""
+    """Masks filled by llguidance's thread pool (LLExecutor), all rows in one call, as
+    structured.MaskFiller does (here on llguidance's default threads, where cllm takes one on
+    a CPU and half the cores, at most 8, on a GPU host)."""
 
     def fill(self, matchers, bitmask) -> None:
         self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
