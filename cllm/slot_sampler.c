@@ -462,6 +462,7 @@ static struct ggml_tensor * masked_tokens(const struct cllm_slot_table * t,
 static int32_t masker_stage(const struct cllm_slot_table * t, int32_t n, const int32_t * slots,
                             const uint32_t * const * masks) {
     const struct slot_masker * k = t->masker;
+    const int32_t n_halves = k->n_halves;  /* read once, so that the loop below vectorizes */
     int32_t * row_slots = k->staging;
     int32_t * halves = row_slots + t->n_slots;
     int32_t m = 0;
@@ -470,10 +471,11 @@ static int32_t masker_stage(const struct cllm_slot_table * t, int32_t n, const i
             continue;
         }
         row_slots[m] = slots[i];
-        int32_t * row = halves + (size_t) m * (size_t) k->n_halves;
-        for (int32_t w = 0; w < k->n_halves / 2; w++) {
-            row[2 * w] = (int32_t) (masks[i][w] & 0xFFFFu);
-            row[2 * w + 1] = (int32_t) (masks[i][w] >> 16);
+        const uint32_t * restrict words = masks[i];
+        int32_t * restrict row = halves + (size_t) m * (size_t) n_halves;
+        for (int32_t w = 0; w < n_halves / 2; w++) {
+            row[2 * w] = (int32_t) (words[w] & 0xFFFFu);
+            row[2 * w + 1] = (int32_t) (words[w] >> 16);
         }
         m++;
     }
