@@ -122,7 +122,8 @@ cdef class Model:
             self.model = llama_model_load_from_file(p, params)
         if self.model is NULL:
             raise ModelLoadError(
-                f"{self.path}: llama.cpp could not load it (truncated, corrupt or unsupported GGUF)")
+                f"{self.path}: llama.cpp could not load it "
+                "(truncated, corrupt or unsupported GGUF)")
         self.vocab = llama_model_get_vocab(self.model)
         self.eog_tokens = tuple(t for t in range(llama_vocab_n_tokens(self.vocab))
                                 if llama_vocab_is_eog(self.vocab, t))
@@ -205,7 +206,8 @@ cdef class Model:
         while True:
             carray.resize(tokens, capacity)
             with nogil:
-                n = llama_tokenize(self.vocab, c_text, n_text, <llama_token *> tokens.data.as_ints, capacity,
+                n = llama_tokenize(self.vocab, c_text, n_text,
+                                   <llama_token *> tokens.data.as_ints, capacity,
                                    add_special, parse_special)
             if n >= 0:
                 break
@@ -242,7 +244,8 @@ cdef class Model:
 
     def detokenize(self, tokens, bint special=False):
         """Text of a token list; bytes that are not valid UTF-8 become U+FFFD."""
-        return b"".join([self.token_to_piece(t, special) for t in tokens]).decode("utf-8", "replace")
+        pieces = [self.token_to_piece(t, special) for t in tokens]
+        return b"".join(pieces).decode("utf-8", "replace")
 
 
 cdef str _read_meta(llama_model * model, int i, bint key):
@@ -501,7 +504,8 @@ cdef class Context:
         self._check_seq(seq_id)
         self._free_chain(seq_id)
         self._ban_eog(seq_id, ban_eog)
-        cdef bint penalised = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
+        cdef bint penalised = (repeat_penalty != 1.0 or presence_penalty != 0.0
+                               or frequency_penalty != 0.0)
         cdef bint greedy = temperature <= 0.0 and not penalised
         self.in_graph[seq_id] = self.backend_sampling and greedy and not host_logits
         if greedy:
@@ -644,8 +648,9 @@ cdef class Context:
         `masks_ready[0] != 0` before it samples a masked row.
 
         With `aligned_prefill` (split streams only), the one-token rows decode together and
-        each longer row on its own, cut at its last multiple of PREFILL_BLOCK (see there). Raises KVCacheFullError when the batch
-        does not fit the KV cache (nothing is written), DecodeError for any other failure."""
+        each longer row on its own, cut at its last multiple of PREFILL_BLOCK (see there).
+        Raises KVCacheFullError when the batch does not fit the KV cache (nothing is written),
+        DecodeError for any other failure."""
         cdef Py_ssize_t r, n_rows = seq_ids.shape[0]
         if positions.shape[0] != n_rows or n_tokens.shape[0] != n_rows or sample.shape[0] != n_rows:
             raise ValueError("seq_ids, positions, n_tokens and sample must have one entry per row")
@@ -715,7 +720,8 @@ cdef class Context:
                 or budgets.shape[0] != n_rows):
             raise ValueError("every argument needs one entry per row")
         if n_rows > self.n_batch or n_steps < 1:
-            raise ValueError(f"{n_rows} rows, {n_steps} steps: need 1..{self.n_batch} rows, 1+ steps")
+            raise ValueError(f"{n_rows} rows, {n_steps} steps: "
+                             f"need 1..{self.n_batch} rows, 1+ steps")
         self._check_rows(seq_ids, _ones(n_rows), last_tokens)
         cdef const uint32_t * mask_data = self._check_masks(n_rows, mask_rows, masks)
         if (mask_data != NULL) != (after_step is not None):
@@ -1091,8 +1097,8 @@ cdef class Context:
         for r in range(seq_ids.shape[0]):
             if (sample[r] and self.in_graph[seq_ids[r]] and top_logprobs is not None
                     and top_logprobs[r] >= 0):
-                raise ValueError(f"sequence {seq_ids[r]} is sampled in the graph: log-probabilities "
-                                 "need set_sampler(host_logits=True)")
+                raise ValueError(f"sequence {seq_ids[r]} is sampled in the graph: "
+                                 "log-probabilities need set_sampler(host_logits=True)")
 
     cdef void _check_rows(self, const int[::1] seq_ids, const int[::1] n_tokens,
                           const int[::1] tokens) except *:

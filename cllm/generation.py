@@ -38,7 +38,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, D
     """(choice index, delta) from all streams, in batches: each holds what had arrived when it
     was taken (a decode run delivers several deltas of a stream at once), so a streamed
     response writes them together. Aborts the rest when left early."""
-    if len(streams) == 1:  # the common case: no pump task and second queue between engine and client
+    if len(streams) == 1:  # the common case: no pump task, no second queue on the way
         stream = streams[0]
         try:
             async for delta in stream:

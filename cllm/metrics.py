@@ -23,7 +23,8 @@ class Metrics:
         r = self.registry
         self.running = Gauge("cllm_requests_running", "Sequences holding a seq id", registry=r)
         self.waiting = Gauge("cllm_requests_waiting", "Sequences queued for a seq id", registry=r)
-        self.kv_usage = Gauge("cllm_kv_cache_usage_ratio", "Share of KV cells running requests hold", registry=r)
+        self.kv_usage = Gauge("cllm_kv_cache_usage_ratio",
+                              "Share of KV cells running requests hold", registry=r)
         self.preemptions = Gauge("cllm_preemptions_total",
                                  "Sequences preempted for lack of KV cells", registry=r)
         self.cached_cells = Gauge("cllm_prefix_cache_cells",

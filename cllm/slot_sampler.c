@@ -441,7 +441,8 @@ static struct slot_masker * masker_new(const struct cllm_slot_table * t, int n_t
    their bitmasks' biases, and the argmax of each row. */
 static struct ggml_tensor * masked_tokens(const struct cllm_slot_table * t,
                                           struct ggml_context * ctx, int32_t n,
-                                          struct ggml_tensor ** slots, struct ggml_tensor ** halves) {
+                                          struct ggml_tensor ** slots,
+                                          struct ggml_tensor ** halves) {
     const struct slot_masker * k = t->masker;
     *slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
     *halves = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n * k->n_halves);

@@ -88,7 +88,8 @@ def _as_text(message: dict) -> dict:
         texts += [_call_text(c) for c in message["tool_calls"]]
         return {"role": "assistant", "content": "\n".join(texts)}
     if message["role"] == "tool":
-        return {"role": "tool", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        content = message["content"]
+        return {"role": "tool", "content": f"<tool_response>\n{content}\n</tool_response>"}
     return {"role": message["role"], "content": message["content"]}
 
 
