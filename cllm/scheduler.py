@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from cllm.prefix_cache import (KvOp, Placement, PrefixCache, Slot, common_packed_prefix,
                                pack)
-from cllm.sequence import (FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT, Sequence,
+from cllm.sequence import (FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT, Sequence,
                            SequenceStatus)
 
 
@@ -169,7 +169,9 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput, sampled, now: float) -> list[tuple[int, int]]:
         """Account for a decoded step: `sampled[i]` is chunk i's token (-1 if it sampled none).
         Returns (chunk index, 1) for each chunk whose sequence got a token; ends sequences that
-        reached an end-of-generation token, max_tokens or the context's end."""
+        reached an end-of-generation token, max_tokens or the context's end, and with an error
+        one that was to sample and got no token (it would otherwise wait for one forever:
+        nothing is left for it to compute)."""
         got = []
         for i, (chunk, token) in enumerate(zip(out.chunks, sampled)):
             seq = chunk.seq
@@ -179,6 +181,8 @@ class Scheduler:
             if token >= 0:
                 self._append(seq, token, now)
                 got.append((i, 1))
+            elif chunk.samples:
+                self.finish(seq, FINISH_ERROR, now, "the step sampled no token")
         return got
 
     def postprocess_run(self, out: SchedulerOutput, tokens, counts, n_steps: int,

@@ -5,7 +5,8 @@ import pytest
 
 from cllm.config import SamplingParams
 from cllm.scheduler import QueueFullError, Scheduler
-from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT, Sequence, SequenceStatus
+from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT,
+                           Sequence, SequenceStatus)
 
 EOS = 2
 
@@ -287,6 +288,21 @@ def test_abort_frees_exactly_once():
     assert sched.schedule(3.0).released == []
     assert_only_cache_left(sched)
     assert not sched.has_work
+
+
+def test_a_row_that_was_to_sample_and_got_no_token_ends_with_an_error():
+    """Rather than wait forever for a token: its prompt is computed, so nothing would schedule
+    it again. Its cells go back; the other row goes on."""
+    sched = make_scheduler()
+    stuck, other = make_seq(4, name="stuck"), make_seq(4, name="other")
+    sched.add(stuck)
+    sched.add(other)
+    out = sched.schedule(0.0)
+    assert [c.samples for c in out.chunks] == [True, True]
+    got = sched.postprocess(out, [-1 if c.seq is stuck else 7 for c in out.chunks], 1.0)
+    assert stuck.finish_reason == FINISH_ERROR and stuck.error == "the step sampled no token"
+    assert [out.chunks[i].seq for i, _ in got] == [other] and sched.running == [other]
+    assert stuck not in {c.seq for c in sched.schedule(2.0).chunks}
 
 
 def test_aborted_while_decoding_is_not_counted():
