@@ -355,6 +355,7 @@ class Engine:
             self._advance_matchers(out, got, now)
             self._run_ahead = True
             forward_steps = 1
+        self._report_grammar_failures(out)
         self._emit(out, got, now, outbox)
         self._free_released()  # before the clients hear that their sequences ended
         timer.lap("postprocess")
@@ -522,6 +523,21 @@ class Engine:
             end = structured.grammar_end(matcher, seq.output_token_ids[-1])
             if end is not None:
                 self.scheduler.finish(seq, end[0], now, end[1])
+
+    def _report_grammar_failures(self, out: SchedulerOutput) -> None:
+        """A sequence that ended this step while its matcher had failed ended on the only token
+        the failed matcher let through (an end token) or on one it refused: its reply is cut
+        short, so it ends with the grammar's error, never as a complete "stop". Its cells are
+        given back already; only what it reports changes."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            live = self._live.get(seq)
+            if (live is None or live.matcher is None or not seq.is_finished
+                    or seq.finish_reason == FINISH_ERROR):
+                continue
+            error = structured.matcher_failure(live.matcher)
+            if error is not None:
+                seq.finish_reason, seq.error = FINISH_ERROR, error
 
     def _fail(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
         log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)

@@ -226,6 +226,12 @@ class MaskFiller:
                 ready[0] = 1  # also after a failure: the core must never wait forever
 
 
+def matcher_failure(matcher: llguidance.LLMatcher) -> str | None:
+    """What went wrong in a matcher that failed after it was built (computing a bitmask past a
+    parser limit, say: it then lets only an end token through), else None."""
+    return f"the grammar failed: {matcher.get_error()}" if matcher.is_error() else None
+
+
 def grammar_end(matcher: llguidance.LLMatcher, token: int) -> tuple[str, str | None] | None:
     """Feed a sequence's new token to its matcher: (finish reason, error) when the sequence
     ends there (its grammar is complete, or, a bug, refused the token), else None."""

@@ -16,7 +16,7 @@ import jsonschema
 import llguidance
 import pytest
 
-from cllm import _core
+from cllm import _core, structured
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
 from cllm.structured import GrammarError, Grammars, MaskFiller
@@ -188,6 +188,25 @@ def test_a_grammar_keeps_its_model_alive(model_path):
     del grammar, matcher
     gc.collect()
     assert alive() is None
+
+
+def test_a_grammar_that_fails_while_generating_ends_its_request_with_the_error(engine):
+    """A matcher that fails computing a bitmask mid-reply (here past a parser limit of three
+    Earley items a step, at the fourth token of YES_NO) lets only end tokens through, or
+    nothing at all where they are banned: the request ends with finish reason "error" naming
+    the failure, never as a complete "stop" with its reply cut short, and nothing stays held."""
+    source = engine.grammars.gbnf(YES_NO).source
+    failing = structured.Grammar(source, llguidance.LLMatcher(
+        engine.grammars.tokenizer, source, log_level=0,
+        limits=llguidance.LLParserLimits(step_max_items=3)), engine.model)
+    prompt = engine.model.tokenize(chat_prompt("Is the sea salty?"))
+    for ignore_eos in (False, True):
+        text, _, final = asyncio.run(run_tokens(engine, prompt, grammar=failing, max_tokens=16,
+                                                temperature=0, ignore_eos=ignore_eos))
+        assert not re.fullmatch(r"The answer is (yes|no)\.", text)  # cut short
+        assert final.finish_reason == "error", (ignore_eos, text, final)
+        assert "Too many items" in final.error
+    assert_idle(engine)
 
 
 def test_the_engine_overlapping_masks_with_the_decode_gives_the_same_outputs(model_path, engine):
