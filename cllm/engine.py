@@ -531,9 +531,10 @@ class Engine:
         given back already; only what it reports changes."""
         for chunk in out.chunks:
             seq = chunk.seq
+            if not seq.is_finished or seq.finish_reason == FINISH_ERROR:
+                continue  # most rows, every step: the cheap test first
             live = self._live.get(seq)
-            if (live is None or live.matcher is None or not seq.is_finished
-                    or seq.finish_reason == FINISH_ERROR):
+            if live is None or live.matcher is None:
                 continue
             error = structured.matcher_failure(live.matcher)
             if error is not None:
