@@ -381,8 +381,10 @@ class Engine:
         return self.scheduler.room_for_run(len(out.chunks), steps)  # the pool holds every row's run
 
     def _free_released(self) -> None:
-        self._apply_kv_ops(self.scheduler.take_kv_ops())
+        # Samplers first, as _prepare_sequences does: a "clear" op frees its slot's sampler,
+        # which a sequence preempted with nothing cached still has to take with it.
         self._settle_released(self.scheduler.take_released())
+        self._apply_kv_ops(self.scheduler.take_kv_ops())
 
     def _settle_released(self, released) -> None:
         """Samplers of sequences that left their slots: an ended one's goes, a preempted one's

@@ -654,15 +654,17 @@ def test_a_stop_string_inside_a_decode_run_counts_no_token_past_it(model_path, e
 
 
 @ON_GPU_NOT_BATCH_INVARIANT
-def test_a_preempted_seeded_request_samples_what_it_would_have_alone(model_path, engine):
-    """Its sampler, with its random generator's state, waits for it while it is preempted."""
+@pytest.mark.parametrize("after", [0, 6], ids=["at-its-prompt", "mid-reply"])
+def test_a_preempted_seeded_request_samples_what_it_would_have_alone(model_path, engine, after):
+    """Its sampler, with its random generator's state, waits for it while it is preempted;
+    also when it is preempted at its prompt step, with nothing cached (its slot cleared)."""
     prompt = engine.model.tokenize(PROMPTS[5])
     sampling = dict(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     alone = asyncio.run(run_tokens(engine, prompt, **sampling))[1]
     eng = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=False),
                  model_path)
     try:
-        eng.ctx = FaultyContext(eng.ctx, _core.KVCacheFullError(1, "injected"), after=6)
+        eng.ctx = FaultyContext(eng.ctx, _core.KVCacheFullError(1, "injected"), after=after)
         preempted = asyncio.run(run_tokens(eng, prompt, **sampling))[1]
         assert eng.scheduler.num_preemptions == 1
         assert preempted == alone
