@@ -293,15 +293,14 @@ class Engine:
             self._finish_all(FINISH_SHUTDOWN, "the server is shutting down")
 
     def _drain_inbox(self) -> None:
-        outbox = _Outbox()
-        while self._inbox:
-            kind, item = self._inbox.popleft()
-            if kind == "add":
-                self._admit(item, outbox)
-            elif item in self._live:
-                self._end(item, FINISH_ABORT, None, outbox)
-        self._free_released()
-        outbox.deliver()
+        with _Outbox() as outbox:
+            while self._inbox:
+                kind, item = self._inbox.popleft()
+                if kind == "add":
+                    self._admit(item, outbox)
+                elif item in self._live:
+                    self._end(item, FINISH_ABORT, None, outbox)
+            self._free_released()
 
     def _admit(self, stream: RequestStream, outbox: _Outbox) -> None:
         seq = stream.seq
@@ -318,16 +317,20 @@ class Engine:
                                 matcher=grammar.matcher() if grammar is not None else None)
 
     def _step(self) -> None:
+        with _Outbox() as outbox:
+            self._step_into(outbox)
+
+    def _step_into(self, outbox: _Outbox) -> None:
+        """One step of the loop: plan, decode, account; what it gives each request goes into
+        `outbox`."""
         timer = self.timer
         now = time.monotonic()
         out = self.scheduler.schedule(now)
-        outbox = _Outbox()
         for seq in out.expired:
             self._send_final(seq, outbox)
         timer.lap("schedule")
         self._prepare_sequences(out)
         if not out.chunks:
-            outbox.deliver()
             return
         n_steps = self._run_length(out)
         self._apply_kv_ops(self.scheduler.take_kv_ops())  # evictions that make room for a run
@@ -357,6 +360,7 @@ class Engine:
             forward_steps = 1
         self._report_grammar_failures(out)
         self._emit(out, got, now, outbox)
+        self._send_unheard_ends(out, outbox)
         self._free_released()  # before the clients hear that their sequences ended
         timer.lap("postprocess")
         outbox.deliver()
@@ -461,6 +465,7 @@ class Engine:
                 now = time.monotonic()
                 got = self._account_step(single, rows, result, now)
                 self._advance_matchers(single, got, now)
+                self._report_grammar_failures(single)
                 self._emit(single, got, now, outbox)
 
     def _rewind(self, out: SchedulerOutput) -> None:
@@ -573,12 +578,21 @@ class Engine:
                 new_tokens = new_tokens[:len(texts)]
             self.tokens_generated += len(new_tokens)
             step = StepTokens(new_tokens, texts, live.take_logprobs())
-            if live.text.stopped:
-                self.scheduler.finish(seq, FINISH_STOP, now)
+            if live.text.stopped and not self.scheduler.finish(seq, FINISH_STOP, now):
+                # a decode run went past the stop string to max_tokens or an end token, which
+                # ended it first: it ended at the stop string
+                seq.finish_reason, seq.error = FINISH_STOP, None
             if seq.is_finished:
                 self._send_final(seq, outbox, step)
             else:
                 outbox.add(live.stream, step)
+
+    def _send_unheard_ends(self, out: SchedulerOutput, outbox: _Outbox) -> None:
+        """The end of each sequence the step ended without a token for it to carry (one that
+        was to sample and got none): _emit sends only the ends that come with tokens."""
+        for chunk in out.chunks:
+            if chunk.seq.is_finished and chunk.seq in self._live:
+                self._send_final(chunk.seq, outbox)
 
     def _texts_of(self, text: TextStream, tokens: list[int]) -> list[str]:
         """The text each of `tokens` adds, up to the one that completes a stop string, if one
@@ -689,6 +703,14 @@ class _Outbox:
 
     def add(self, stream: RequestStream, step: StepTokens) -> None:
         self._by_loop[stream._loop].append((stream, step))
+
+    def __enter__(self) -> "_Outbox":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        # Also when the step failed: the requests it ended have left _live, where the engine's
+        # failure handling (_fail_all) looks, so their ends must go out here.
+        self.deliver()
 
     def deliver(self) -> None:
         for loop, items in self._by_loop.items():

@@ -191,7 +191,8 @@ class Scheduler:
         and got `counts[i]` tokens, at tokens[i * n_steps:]. Returns (chunk index, number
         kept). The core ends a row only at its budget (`decode_budget` when the run was
         planned) or after an end-of-generation token, so only a row's last token can end its
-        sequence: the others are appended without a check."""
+        sequence: the others are appended without a check. A row whose last token is negative
+        sampled none there (the run cannot feed it on): it ends with an error."""
         got = []
         for i, chunk in enumerate(out.chunks):
             seq, count = chunk.seq, counts[i]
@@ -200,6 +201,11 @@ class Scheduler:
             self._computed(seq, count)
             start = i * n_steps
             seq.output_token_ids += tokens[start:start + count - 1]
+            if tokens[start + count - 1] < 0:  # sampled no token: the run stopped it there
+                self.finish(seq, FINISH_ERROR, now, "the step sampled no token")
+                if count > 1:
+                    got.append((i, count - 1))
+                continue
             self._append(seq, tokens[start + count - 1], now)
             got.append((i, count))
         return got

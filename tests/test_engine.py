@@ -557,6 +557,82 @@ def test_kv_full_during_a_step_preempts_and_every_request_still_completes(model_
         eng.shutdown()
 
 
+def test_a_request_the_step_ended_hears_it_even_when_the_rest_of_that_step_fails(model_path):
+    """The engine's loop fails after a step ended a request (here freeing its sampler raises):
+    that request still gets its end, with its tokens, instead of waiting for ever; the engine
+    then refuses new work with the failure stated."""
+    class FailingEnd(FaultyContext):
+        def end_sequence(self, *args):
+            self._maybe_fail("end_sequence", args)
+            return self._ctx.end_sequence(*args)
+
+    eng = Engine(EngineConfig(n_ctx=1024, n_parallel=2, n_threads=2), model_path)
+    try:
+        eng.ctx = FailingEnd(eng.ctx, RuntimeError("injected"), method="end_sequence")
+
+        async def scenario():
+            return await asyncio.wait_for(run(eng, PROMPTS[0], max_tokens=3, temperature=0,
+                                              ignore_eos=True), timeout=60)
+        _, tokens, final = asyncio.run(scenario())
+        assert final.finish_reason == FINISH_LENGTH and len(tokens) == 3
+        try:  # refused at once, or, posted before the engine closed, ended with the failure
+            _, _, later = asyncio.run(run(eng, PROMPTS[1], max_tokens=3))
+            assert later.finish_reason == "error" and "injected" in later.error
+        except EngineStoppedError as exc:
+            assert "injected" in str(exc)
+    finally:
+        eng.shutdown()
+
+
+class SamplesNothingOnce:
+    """A context whose next step (`method`: "step" or "decode_run") gives its first row no
+    token (-1) where it sampled one, once."""
+
+    def __init__(self, ctx, method):
+        self._ctx, self.method, self.done = ctx, method, False
+
+    def step(self, *args):
+        sampled = self._ctx.step(*args)
+        if self.method == "step" and not self.done:
+            sampled[0], self.done = -1, True
+        return sampled
+
+    def decode_run(self, *args):
+        tokens, counts = self._ctx.decode_run(*args)
+        if self.method == "decode_run" and not self.done and counts[0] > 1:
+            tokens[counts[0] - 1], self.done = -1, True  # row 0's last token
+        return tokens, counts
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+@pytest.mark.parametrize("method", ["step", "decode_run"])
+def test_a_row_that_sampled_no_token_ends_its_request_with_an_error(model_path, method):
+    """Never a request waiting for ever: it ends with the error (and the tokens it had, from a
+    run), its cells go back, the other request and later ones go on."""
+    eng = Engine(EngineConfig(n_ctx=1024, n_parallel=2, n_threads=2, kv_unified=True,
+                              decode_steps=8 if method == "decode_run" else 1), model_path)
+    try:
+        eng.ctx = SamplesNothingOnce(eng.ctx, method)
+
+        async def scenario():
+            return await asyncio.wait_for(asyncio.gather(
+                run(eng, PROMPTS[0], max_tokens=12, temperature=0, ignore_eos=True),
+                run(eng, PROMPTS[1], max_tokens=12, temperature=0, ignore_eos=True)), 60)
+        results = asyncio.run(scenario())
+        assert eng.ctx.done
+        finals = sorted(final.finish_reason for _, _, final in results)
+        assert finals == ["error", "length"]
+        failed = next(final for _, _, final in results if final.finish_reason == "error")
+        assert failed.error == "the step sampled no token"
+        assert asyncio.run(run(eng, PROMPTS[2], max_tokens=4, temperature=0,
+                               ignore_eos=True))[2].finish_reason == FINISH_LENGTH
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_a_failed_decode_ends_its_request_with_an_error_and_the_engine_goes_on(model_path):
     eng = Engine(EngineConfig(n_ctx=1024, n_parallel=4, n_threads=2, kv_unified=True),
                  model_path)
@@ -642,11 +718,14 @@ def test_a_stop_string_inside_a_decode_run_counts_no_token_past_it(model_path, e
     runs = Engine(EngineConfig(n_ctx=2048, n_parallel=2, n_threads=2, kv_unified=False,
                                decode_steps=8), model_path)
     try:
-        text_runs, in_runs, final_runs = asyncio.run(
-            run_tokens(runs, prompt, max_tokens=30, temperature=0, stop=[stop]))
-        assert final_runs.finish_reason == final_one.finish_reason == FINISH_STOP
-        assert in_runs == one_step and final_runs.completion_tokens == len(one_step) < 30
-        assert stop not in text_runs
+        # max_tokens a few tokens past the stop string: a run that makes both ends at the
+        # stop string too, not at max_tokens
+        for max_tokens in (30, len(one_step) + 1, len(one_step) + 2, len(one_step) + 3):
+            text_runs, in_runs, final_runs = asyncio.run(
+                run_tokens(runs, prompt, max_tokens=max_tokens, temperature=0, stop=[stop]))
+            assert final_runs.finish_reason == final_one.finish_reason == FINISH_STOP, max_tokens
+            assert in_runs == one_step and final_runs.completion_tokens == len(one_step) < 30
+            assert stop not in text_runs
         assert_idle(runs)
     finally:
         runs.shutdown()
