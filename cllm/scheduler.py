@@ -170,8 +170,7 @@ class Scheduler:
         """Account for a decoded step: `sampled[i]` is chunk i's token (-1 if it sampled none).
         Returns (chunk index, 1) for each chunk whose sequence got a token; ends sequences that
         reached an end-of-generation token, max_tokens or the context's end, and with an error
-        one that was to sample and got no token (it would otherwise wait for one forever:
-        nothing is left for it to compute)."""
+        one that was to sample and got no token (_sampled_nothing)."""
         got = []
         for i, (chunk, token) in enumerate(zip(out.chunks, sampled)):
             seq = chunk.seq
@@ -182,7 +181,7 @@ class Scheduler:
                 self._append(seq, token, now)
                 got.append((i, 1))
             elif chunk.samples:
-                self.finish(seq, FINISH_ERROR, now, "the step sampled no token")
+                self._sampled_nothing(seq, now)
         return got
 
     def postprocess_run(self, out: SchedulerOutput, tokens, counts, n_steps: int,
@@ -202,13 +201,18 @@ class Scheduler:
             start = i * n_steps
             seq.output_token_ids += tokens[start:start + count - 1]
             if tokens[start + count - 1] < 0:  # sampled no token: the run stopped it there
-                self.finish(seq, FINISH_ERROR, now, "the step sampled no token")
+                self._sampled_nothing(seq, now)
                 if count > 1:
                     got.append((i, count - 1))
                 continue
             self._append(seq, tokens[start + count - 1], now)
             got.append((i, count))
         return got
+
+    def _sampled_nothing(self, seq: Sequence, now: float) -> None:
+        """End a sequence whose row was to sample and got no token: nothing is left for it to
+        compute, so it would otherwise wait for a token forever."""
+        self.finish(seq, FINISH_ERROR, now, "the step sampled no token")
 
     def drop_last_tokens(self, seq: Sequence, n: int) -> None:
         """Forget `seq`'s last `n` output tokens: a decode run made them after a stop string
