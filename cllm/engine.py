@@ -534,8 +534,7 @@ class Engine:
     def _report_grammar_failures(self, out: SchedulerOutput) -> None:
         """A sequence that ended this step while its matcher had failed ended on the only token
         the failed matcher let through (an end token) or on one it refused: its reply is cut
-        short, so it ends with the grammar's error, never as a complete "stop". Its cells are
-        given back already; only what it reports changes."""
+        short, so it ends with the grammar's error, never as a complete "stop"."""
         for chunk in out.chunks:
             seq = chunk.seq
             if not seq.is_finished or seq.finish_reason == FINISH_ERROR:
@@ -545,7 +544,7 @@ class Engine:
                 continue
             error = structured.matcher_failure(live.matcher)
             if error is not None:
-                seq.finish_reason, seq.error = FINISH_ERROR, error
+                self.scheduler.restate_end(seq, FINISH_ERROR, error)
 
     def _fail(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
         log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)
@@ -581,7 +580,7 @@ class Engine:
             if live.text.stopped and not self.scheduler.finish(seq, FINISH_STOP, now):
                 # a decode run went past the stop string to max_tokens or an end token, which
                 # ended it first: it ended at the stop string
-                seq.finish_reason, seq.error = FINISH_STOP, None
+                self.scheduler.restate_end(seq, FINISH_STOP)
             if seq.is_finished:
                 self._send_final(seq, outbox, step)
             else:

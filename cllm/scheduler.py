@@ -138,6 +138,13 @@ class Scheduler:
         seq.finished_time = now
         return True
 
+    def restate_end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Say why an ended sequence ended, where the engine learns more than the token that
+        ended it told (a stop string before it, a grammar that had failed): what it holds is
+        given back already; only what it reports changes."""
+        assert seq.is_finished, "restate_end is for ended sequences; finish ends one"
+        seq.finish_reason, seq.error = reason, error
+
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self._step_cells = 0
