@@ -328,6 +328,10 @@ cdef class Context:
     # Split streams: a decode run's step fills a gap of up to this many idle streams between
     # its rows with a placeholder row each (see _fill_gap); 0: never.
     cdef readonly int max_stream_gap
+    # A decode run keeps the rows that stop in its batch until it ends (their tokens dropped,
+    # their cells removed after each step), so every step of the run has the same shape and
+    # llama.cpp may reuse its graph; only with backend sampling (the graph samples every row).
+    cdef public bint hold_run_shape
     cdef int n_ubatch
     cdef int * gap_seq  # this step's placeholder rows: sequence and position, to remove after
     cdef llama_pos * gap_pos
@@ -341,7 +345,7 @@ cdef class Context:
     # Seconds decode runs spent in llama_decode, in after_step (the GIL included), waiting for
     # the step and sampling, and their steps; read by run_timing().
     cdef double _t_decode, _t_after_step, _t_wait, _t_sample
-    cdef long _t_steps, _t_gap_rows
+    cdef long _t_steps, _t_gap_rows, _t_held_rows
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
                   int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True,
@@ -705,7 +709,9 @@ cdef class Context:
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
         A step that fails ends the run with what the steps before it made, and leaves no cell of
         its own behind; DecodeError if the first step fails. With split streams, each step
-        fills the gaps between its rows up to `max_stream_gap` (see _fill_gap).
+        fills the gaps between its rows up to `max_stream_gap` (see _fill_gap). With
+        `hold_run_shape` (and backend sampling), rows that stop stay in the batch until the run
+        ends, so that its steps are one shape.
 
         Constrained rows: `mask_rows`, `masks` and `masks_ready`, as step() takes them, hold the
         first step's bitmasks, and `after_step(going_on, more)` gets every step's tokens, with
@@ -764,9 +770,10 @@ cdef class Context:
                   "after_step_ms": 1000 * self._t_after_step / steps,
                   "wait_ms": 1000 * self._t_wait / steps,
                   "sample_ms": 1000 * self._t_sample / steps,
-                  "gap_rows": self._t_gap_rows / steps}
+                  "gap_rows": self._t_gap_rows / steps,
+                  "held_rows": self._t_held_rows / steps}
         self._t_decode = self._t_after_step = self._t_wait = self._t_sample = 0
-        self._t_steps = self._t_gap_rows = 0
+        self._t_steps = self._t_gap_rows = self._t_held_rows = 0
         return timing
 
     def interrupt(self):
@@ -785,7 +792,9 @@ cdef class Context:
                       int * tokens, int * counts) noexcept nogil:
         """The run's steps. With bitmasks, each step's tokens go to after_step while the next
         step decodes (on a GPU the matchers advance meanwhile); a row it ends was already fed
-        to that step, whose cell for it is removed and whose token for it is dropped."""
+        to that step, whose cell for it is removed and whose token for it is dropped. With
+        hold_run_shape, every step has the first step's rows: one that stopped is fed its last
+        token again at its next position, not sampled, and that cell removed after the step."""
         cdef Py_ssize_t r, i, n = 0, n_rows = seq_ids.shape[0]
         cdef int step
         cdef int32_t rc = 0
@@ -793,19 +802,29 @@ cdef class Context:
         cdef int * rows = <int *> malloc(n_rows * sizeof(int))  # batch index → row
         cdef int * sampled = <int *> calloc(n_rows, sizeof(int))  # 1 + the row's last step
         cdef unsigned char * ended = <unsigned char *> calloc(n_rows, 1)  # by after_step
+        cdef unsigned char * live = <unsigned char *> calloc(n_rows, 1)  # samples this step
+        cdef Py_ssize_t i_out
+        cdef int n_live
+        cdef bint hold = self.hold_run_shape and self.backend_sampling
         cdef double t0, t1
-        if rows is NULL or sampled is NULL or ended is NULL:
+        if rows is NULL or sampled is NULL or ended is NULL or live is NULL:
             free(rows)
             free(sampled)
             free(ended)
+            free(live)
             return -3
         for step in range(n_steps):
-            n = 0
+            n_live = 0
+            if not (hold and step > 0):
+                n = 0
             for r in range(n_rows):
-                if not ended[r] and self._continues(tokens + r * n_steps, counts[r], budgets[r]):
+                live[r] = not ended[r] and self._continues(tokens + r * n_steps, counts[r],
+                                                           budgets[r])
+                n_live += live[r]
+                if live[r] and not (hold and step > 0):
                     rows[n] = <int> r
                     n += 1
-            if n == 0 or (step > 0 and self._interrupted):
+            if n_live == 0 or (step > 0 and self._interrupted):
                 break
             self._batch_run_step(n, rows, seq_ids, positions, last_tokens, tokens, counts,
                                  n_steps)
@@ -825,28 +844,26 @@ cdef class Context:
                     break
                 self._t_after_step += _now() - t0
                 unheard = 0
-            for i in range(n):
-                r = rows[i]
-                self.out_seq[i] = seq_ids[r]
-                self.out_mask[i] = NULL
-                if masks != NULL and row_masks[r] >= 0:
-                    self.out_mask[i] = masks + <size_t> row_masks[r] * self.mask_words
+            self._name_outputs(n, rows, live, seq_ids, masks, row_masks)
             t0 = _now()
             llama_synchronize(self.ctx)  # the step's end, timed apart from its sampling
             t1 = _now()
             self._t_wait += t1 - t0
-            self._sample_outputs(<int> n, self.out_tokens)
+            self._sample_outputs(n_live, self.out_tokens)
             self._t_sample += _now() - t1
             self._t_steps += 1
+            self._t_held_rows += n - n_live
+            i_out = 0  # the row's output among those sampled
             for i in range(n):
                 r = rows[i]
-                if ended[r]:  # fed to this step before after_step ended it
+                if live[r] and not ended[r]:
+                    tokens[r * n_steps + counts[r]] = self.out_tokens[i_out]
+                    counts[r] += 1
+                    sampled[r] = step + 1
+                else:  # held after it stopped, or fed to this step before after_step ended it
                     llama_memory_seq_rm(llama_get_memory(self.ctx), seq_ids[r],
                                         positions[r] + counts[r], -1)
-                    continue
-                tokens[r * n_steps + counts[r]] = self.out_tokens[i]
-                counts[r] += 1
-                sampled[r] = step + 1
+                i_out += live[r]
             if masks != NULL:
                 unheard = step + 1
         if unheard:  # the last step's tokens, with no step after them
@@ -855,7 +872,26 @@ cdef class Context:
         free(rows)
         free(sampled)
         free(ended)
+        free(live)
         return rc
+
+    cdef void _name_outputs(self, Py_ssize_t n, const int * rows, const unsigned char * live,
+                            const int[::1] seq_ids, const uint32_t * masks,
+                            const int * row_masks) noexcept nogil:
+        """out_seq, out_idx and out_mask of the step's outputs to sample: its live rows', in
+        batch order (a row held after it stopped is computed but not sampled)."""
+        cdef Py_ssize_t i, j = 0
+        cdef int r
+        for i in range(n):
+            r = rows[i]
+            if not live[r]:
+                continue
+            self.out_seq[j] = seq_ids[r]
+            self.out_idx[j] = self.out_idx[i]
+            self.out_mask[j] = NULL
+            if masks != NULL and row_masks[r] >= 0:
+                self.out_mask[j] = masks + <size_t> row_masks[r] * self.mask_words
+            j += 1
 
     cdef void _batch_run_step(self, int n, const int * rows, const int[::1] seq_ids,
                               const int[::1] positions, const int[::1] last_tokens,

@@ -156,6 +156,10 @@ class Engine:
                                  max_stream_gap=(
                                      default_stream_gap_fill() if config.stream_gap_fill is None
                                      else config.stream_gap_fill))
+        # On a GPU a decode run keeps the rows that stop in its batch, so llama.cpp reuses the
+        # step's graph (ARCHITECTURE.md, "Decode runs keep their shape"); on a CPU a held row
+        # would cost as much as a live one.
+        self.ctx.hold_run_shape = gpu
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,

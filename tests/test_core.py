@@ -281,6 +281,41 @@ def test_run_timing_counts_the_steps_of_decode_runs_since_it_was_last_read(ctx, 
     assert ctx.run_timing()["steps"] == 0
 
 
+def test_a_decode_run_that_holds_its_shape_makes_the_same_tokens_and_leaves_no_cell(model):
+    """With hold_run_shape, rows that stop (budget, end token) stay in the run's batch until it
+    ends, so each step has the same shape: every row's tokens, its sampler's state (a seeded
+    temperature row continues the same in the next run) and its cells are as without it."""
+    ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, backend_sampling=True)
+    rows = [0, 2, 5]
+    kinds = [{"ban_eog": True}, {"temperature": 0.9, "seed": 11}, {"host_logits": True}]
+    tokens = [model.tokenize(p) for p in PROMPTS[:3]]
+
+    def run(hold):
+        ctx.hold_run_shape = hold
+        for seq_id, kind in zip(rows, kinds):
+            ctx.set_sampler(seq_id, **kind)
+        first = ctx.step(ints(rows), ints([0] * 3), ints([len(t) for t in tokens]),
+                         ints([1] * 3), ints([t for row in tokens for t in row]))
+        ctx.run_timing()
+        out, counts = ctx.decode_run(ints(rows), ints([len(t) for t in tokens]), first,
+                                     ints([2, 8, 5]), 8)
+        held = ctx.run_timing()["held_rows"]
+        ends = [ctx.seq_pos_max(s) for s in rows]
+        lasts = [out[r * 8 + counts[r] - 1] for r in range(3)]
+        again, again_counts = ctx.decode_run(ints(rows), ints([e + 1 for e in ends]),
+                                             ints(lasts), ints([3, 3, 3]), 3)
+        after = [ctx.seq_pos_max(s) for s in rows]
+        for seq_id in rows:
+            ctx.remove_sequence(seq_id)
+        return list(out), list(counts), ends, list(again), list(again_counts), after, held
+
+    *plain, plain_held = run(False)
+    *held, held_rows = run(True)
+    assert held == plain
+    assert plain[1][0] == 2 and plain_held == 0 and held_rows > 0
+    assert plain[2] == [len(t) + c - 1 for t, c in zip(tokens, plain[1])]  # cells: its tokens
+
+
 @pytest.mark.parametrize("backend_sampling", [False, True], ids=["host", "graph"])
 def test_a_decode_run_fills_gaps_between_split_streams_and_leaves_them_as_they_were(
         model, backend_sampling):
