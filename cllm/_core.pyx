@@ -330,7 +330,8 @@ cdef class Context:
     cdef readonly int max_stream_gap
     # A decode run keeps the rows that stop in its batch until it ends (their tokens dropped,
     # their cells removed after each step), so every step of the run has the same shape and
-    # llama.cpp may reuse its graph; only with backend sampling (the graph samples every row).
+    # llama.cpp may reuse its graph; only with backend sampling (the graph samples every row)
+    # and without a sliding window.
     cdef public bint hold_run_shape
     cdef int n_ubatch
     cdef int * gap_seq  # this step's placeholder rows: sequence and position, to remove after
@@ -793,8 +794,9 @@ cdef class Context:
         """The run's steps. With bitmasks, each step's tokens go to after_step while the next
         step decodes (on a GPU the matchers advance meanwhile); a row it ends was already fed
         to that step, whose cell for it is removed and whose token for it is dropped. With
-        hold_run_shape, every step has the first step's rows: one that stopped is fed its last
-        token again at its next position, not sampled, and that cell removed after the step."""
+        hold_run_shape, a step keeps the rows of the step before: one that stopped is fed its
+        last token again at its next position, not sampled, and that cell removed after the
+        step (where a stopped row's stream is full, the step takes the live rows alone)."""
         cdef Py_ssize_t r, i, n = 0, n_rows = seq_ids.shape[0]
         cdef int step
         cdef int32_t rc = 0
@@ -805,7 +807,9 @@ cdef class Context:
         cdef unsigned char * live = <unsigned char *> calloc(n_rows, 1)  # samples this step
         cdef Py_ssize_t i_out
         cdef int n_live
-        cdef bint hold = self.hold_run_shape and self.backend_sampling
+        # Not with a sliding window, which would count a held row's position (as _fill_gap's).
+        cdef bint hold = (self.hold_run_shape and self.backend_sampling
+                          and llama_model_n_swa(self.model.model) == 0)
         cdef double t0, t1
         if rows is NULL or sampled is NULL or ended is NULL or live is NULL:
             free(rows)
@@ -815,17 +819,19 @@ cdef class Context:
             return -3
         for step in range(n_steps):
             n_live = 0
-            if not (hold and step > 0):
-                n = 0
             for r in range(n_rows):
                 live[r] = not ended[r] and self._continues(tokens + r * n_steps, counts[r],
                                                            budgets[r])
                 n_live += live[r]
-                if live[r] and not (hold and step > 0):
-                    rows[n] = <int> r
-                    n += 1
             if n_live == 0 or (step > 0 and self._interrupted):
                 break
+            if not (hold and step > 0
+                    and self._can_hold(n, rows, live, positions, tokens, counts, n_steps)):
+                n = 0
+                for r in range(n_rows):
+                    if live[r]:
+                        rows[n] = <int> r
+                        n += 1
             self._batch_run_step(n, rows, seq_ids, positions, last_tokens, tokens, counts,
                                  n_steps)
             t0 = _now()
@@ -874,6 +880,21 @@ cdef class Context:
         free(ended)
         free(live)
         return rc
+
+    cdef bint _can_hold(self, Py_ssize_t n, const int * rows, const unsigned char * live,
+                        const int[::1] positions, const int * tokens, const int * counts,
+                        int n_steps) noexcept nogil:
+        """Whether each of the step's rows that stopped can be fed again: a token to feed (not
+        the -1 of a row that sampled none) and a cell for its next position (a split stream can
+        be full); if not, the run's next steps are its live rows."""
+        cdef Py_ssize_t i
+        cdef int r
+        for i in range(n):
+            r = rows[i]
+            if not live[r] and (positions[r] + counts[r] >= self.n_ctx_seq
+                                or tokens[r * n_steps + counts[r] - 1] < 0):
+                return False
+        return True
 
     cdef void _name_outputs(self, Py_ssize_t n, const int * rows, const unsigned char * live,
                             const int[::1] seq_ids, const uint32_t * masks,

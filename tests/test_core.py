@@ -316,6 +316,24 @@ def test_a_decode_run_that_holds_its_shape_makes_the_same_tokens_and_leaves_no_c
     assert plain[2] == [len(t) + c - 1 for t, c in zip(tokens, plain[1])]  # cells: its tokens
 
 
+def test_a_decode_run_does_not_hold_a_row_whose_stream_is_full(model):
+    """Split streams of 256 cells: a row that stops on its stream's last cell has no cell for
+    its next position, so the run goes on with the other row alone instead of failing."""
+    ctx = _core.Context(model, n_ctx=4 * 256, n_seq_max=4, kv_unified=False,
+                        backend_sampling=True)
+    ctx.hold_run_shape = True
+    long = (model.tokenize(" ".join(PROMPTS)) * 20)[:250]
+    short = model.tokenize(PROMPTS[0])
+    for seq_id in (0, 1):
+        ctx.set_sampler(seq_id, ban_eog=True)
+    first = ctx.step(ints([0, 1]), ints([0, 0]), ints([len(long), len(short)]), ints([1, 1]),
+                     ints(long + short))
+    _, counts = ctx.decode_run(ints([0, 1]), ints([len(long), len(short)]), first,
+                               ints([6, 8]), 8)
+    assert ctx.n_ctx_seq == 256 and list(counts) == [6, 8]
+    assert [ctx.seq_pos_max(0), ctx.seq_pos_max(1)] == [255, len(short) + 7]
+
+
 @pytest.mark.parametrize("backend_sampling", [False, True], ids=["host", "graph"])
 def test_a_decode_run_fills_gaps_between_split_streams_and_leaves_them_as_they_were(
         model, backend_sampling):
@@ -687,6 +705,22 @@ def test_gemma3_generates(gemma_path):
     assert "Berlin" in gemma.detokenize(out[0])
     assert "Thursday" in gemma.detokenize(out[1])
     assert gctx.kv_cells_used() == 0
+
+
+def test_a_model_with_a_sliding_window_holds_no_row_in_a_decode_run(gemma_path):
+    """Gemma 3's sliding window would count a held row's position: its runs hold nothing."""
+    gemma = _core.Model(gemma_path)
+    gctx = _core.Context(gemma, n_ctx=1024, n_seq_max=4, backend_sampling=True)
+    gctx.hold_run_shape = True
+    tokens = [gemma.tokenize(p) for p in PROMPTS[:2]]
+    for seq_id in (0, 1):
+        gctx.set_sampler(seq_id, ban_eog=True)
+    first = gctx.step(ints([0, 1]), ints([0, 0]), ints([len(t) for t in tokens]), ints([1, 1]),
+                      ints(tokens[0] + tokens[1]))
+    gctx.run_timing()
+    _, counts = gctx.decode_run(ints([0, 1]), ints([len(t) for t in tokens]), first,
+                                ints([2, 6]), 6)
+    assert list(counts) == [2, 6] and gctx.run_timing()["held_rows"] == 0
 
 
 @pytest.mark.parametrize("token", [-1, -100, 10**6])
