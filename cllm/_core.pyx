@@ -764,8 +764,9 @@ cdef class Context:
         """Mean milliseconds per step of the decode runs since the last call: in llama_decode
         (on a GPU: building and launching the step), in after_step (the GIL included), waiting
         for the step to finish (on a GPU; a CPU computes it inside llama_decode), and sampling
-        (reading host rows' logits back included), how many steps, and the placeholder rows a
-        step carried in the gaps between split streams (gap_rows)."""
+        (reading host rows' logits back included), how many steps, the placeholder rows a step
+        carried in the gaps between split streams (gap_rows), and the rows it carried after
+        they stopped (held_rows, hold_run_shape)."""
         steps = max(1, self._t_steps)
         timing = {"steps": self._t_steps, "decode_ms": 1000 * self._t_decode / steps,
                   "after_step_ms": 1000 * self._t_after_step / steps,

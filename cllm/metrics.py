@@ -94,6 +94,8 @@ ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
     "run_steps": ("cllm_engine_run_steps", "Forward steps of decode runs"),
     "gap_rows": ("cllm_engine_run_gap_rows",
                  "Placeholder rows those steps carried between split streams"),
+    "held_rows": ("cllm_engine_run_held_rows",
+                  "Rows those steps carried after they stopped, keeping the run's shape"),
 }
 # A snapshot's seconds by label: its key, the counter, the label.
 _LABELLED = {"totals": (ENGINE_PHASE_COUNTER, "phase"), "run": (ENGINE_RUN_COUNTER, "part")}

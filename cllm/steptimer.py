@@ -3,8 +3,8 @@
 arrays), decode+sample (C), postprocess, hand-off; and for the calls that are decode runs,
 what their forward steps spend in the core as it times them (llama_decode, after_step, the
 wait for the step to finish on a GPU, sampling), what their decode laps hold beyond that
-("outside": the Python around the core's run, the GIL's hand-back), and the placeholder rows
-they carry between split streams.
+("outside": the Python around the core's run, the GIL's hand-back), the placeholder rows
+they carry between split streams, and the rows they hold after those stopped.
 
 Cumulative, so a benchmark can read the split over many steps; a few perf_counter calls a step.
 A "step" here is one call into the core: a decode run computes several forward steps in it."""
@@ -17,6 +17,9 @@ from collections import defaultdict
 # The parts of a run's forward step that the core times: name → Context.run_timing's key.
 RUN_PARTS = {"llama_decode": "decode_ms", "after_step": "after_step_ms", "wait": "wait_ms",
              "sample": "sample_ms"}
+# The rows beside the sequences' own that a run's forward step carries, as Context.run_timing
+# counts them: placeholders between split streams, rows held after they stopped.
+RUN_ROWS = ("gap_rows", "held_rows")
 
 
 class StepTimer:
@@ -27,12 +30,12 @@ class StepTimer:
         self.forward_steps = 0
         self.run: dict[str, float] = defaultdict(float)  # seconds inside runs by part
         self.run_steps = 0
-        self.gap_rows = 0
+        self.run_rows = dict.fromkeys(RUN_ROWS, 0)  # RUN_ROWS' counts over the runs' steps
         self._last = 0.0
         # This step's laps and run, counted at end(): a step that calls nothing (it scheduled
         # no chunk) never ends, and start() drops them, so every figure stays "of calls".
         self._laps: dict[str, float] = defaultdict(float)
-        self._run: tuple[dict[str, float], int, int] | None = None
+        self._run: tuple[dict[str, float], int, dict[str, int]] | None = None
 
     def start(self) -> None:
         self._laps.clear()
@@ -54,18 +57,19 @@ class StepTimer:
         steps = timing["steps"]
         parts = {part: timing[key] * steps / 1000 for part, key in RUN_PARTS.items()}
         parts["outside"] = call_seconds - sum(parts.values())
-        self._run = (parts, steps, round(timing["gap_rows"] * steps))  # gap rows: a count
+        self._run = (parts, steps, {key: round(timing[key] * steps) for key in RUN_ROWS})
 
     def end(self, rows: int, forward_steps: int = 1) -> None:
         for phase, seconds in self._laps.items():
             self.totals[phase] += seconds
         self._laps.clear()
         if self._run is not None:
-            parts, steps, gap_rows = self._run
+            parts, steps, rows_carried = self._run
             for part, seconds in parts.items():
                 self.run[part] += seconds
             self.run_steps += steps
-            self.gap_rows += gap_rows
+            for key, count in rows_carried.items():
+                self.run_rows[key] += count
             self._run = None
         self.steps += 1
         self.rows += rows
@@ -74,13 +78,14 @@ class StepTimer:
     def reset(self) -> None:
         self.totals.clear()
         self.run.clear()
-        self.steps = self.rows = self.forward_steps = self.run_steps = self.gap_rows = 0
+        self.steps = self.rows = self.forward_steps = self.run_steps = 0
+        self.run_rows = dict.fromkeys(RUN_ROWS, 0)
 
     def snapshot(self) -> dict:
         """The counts so far, safe to read from another thread (the metrics' scrape)."""
         return {"totals": dict(self.totals), "steps": self.steps, "rows": self.rows,
                 "forward_steps": self.forward_steps, "run": dict(self.run),
-                "run_steps": self.run_steps, "gap_rows": self.gap_rows}
+                "run_steps": self.run_steps, **self.run_rows}
 
     def summary(self) -> dict:
         return summarize(self.snapshot())
@@ -89,8 +94,8 @@ class StepTimer:
 def summarize(counts: dict) -> dict:
     """Mean milliseconds per step for each phase, the share outside decode, rows and forward
     steps per call into the core; if decode runs ran, the milliseconds a forward step of theirs
-    by part (the core's, and outside it) and their placeholder rows; from a snapshot, or the
-    difference of two."""
+    by part (the core's, and outside it) and the rows they carried beside the sequences' own
+    (RUN_ROWS); from a snapshot, or the difference of two."""
     steps = max(counts["steps"], 1)
     totals = counts["totals"]
     result = {f"{phase}_ms": 1000 * total / steps for phase, total in totals.items()}
@@ -103,7 +108,8 @@ def summarize(counts: dict) -> dict:
     if run_steps:  # ms a forward step of the runs
         result["run_ms_by_part"] = {part: 1000 * seconds / run_steps
                                     for part, seconds in counts["run"].items()}
-        result["gap_rows_per_run_step"] = counts["gap_rows"] / run_steps
+        for key in RUN_ROWS:
+            result[f"{key}_per_run_step"] = counts[key] / run_steps
     return result
 
 
