@@ -1008,9 +1008,13 @@ cdef class Context:
             llama_memory_seq_rm(mem, seq_ids[r], positions[r] + counts[r], -1)
 
     cdef bint _continues(self, const int * row_tokens, int count, int budget) noexcept nogil:
+        """Whether a run's row goes on: not at its budget, and its last token neither an end of
+        generation nor the -1 of a step that sampled none (fed on, llama.cpp would refuse the
+        next step for every row)."""
         if count >= budget:
             return False
-        return count == 0 or not llama_vocab_is_eog(self.model.vocab, row_tokens[count - 1])
+        return count == 0 or (row_tokens[count - 1] >= 0
+                               and not llama_vocab_is_eog(self.model.vocab, row_tokens[count - 1]))
 
     cdef void _sample_outputs(self, int n, int * out) noexcept nogil:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
@@ -1463,11 +1467,13 @@ cdef class Logprobs:
 
 cdef int _greedy(float * logits, int n, const int * banned, int n_banned) noexcept nogil:
     """The most likely token once the banned ones are set to -inf (in the logits themselves, so
-    log-probabilities read afterwards see the same distribution)."""
+    log-probabilities read afterwards see the same distribution); -1 where none is left (a
+    bitmask that allows no token), as ggml's CUDA argmax answers on the device."""
     cdef int i
     for i in range(n_banned):
         logits[banned[i]] = -INFINITY
-    return _argmax(logits, n)
+    i = _argmax(logits, n)
+    return i if logits[i] > -INFINITY else -1
 
 
 cdef void _apply_mask(float * logits, int n, const uint32_t * mask) noexcept nogil:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from cllm import _core, structured
 from cllm.config import EngineConfig, SamplingParams
-from cllm.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from cllm.scheduler import SAMPLED_NOTHING, QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
 from cllm.batch import RunRows, StepRows
 from cllm.pending import PendingTokens
@@ -537,11 +537,13 @@ class Engine:
 
     def _report_grammar_failures(self, out: SchedulerOutput) -> None:
         """A sequence that ended this step while its matcher had failed ended on the only token
-        the failed matcher let through (an end token) or on one it refused: its reply is cut
-        short, so it ends with the grammar's error, never as a complete "stop"."""
+        the failed matcher let through (an end token), on one it refused, or with no token
+        (none let through, end tokens banned): its reply is cut short, so it ends with the
+        grammar's error, never as a complete "stop"."""
         for chunk in out.chunks:
             seq = chunk.seq
-            if not seq.is_finished or seq.finish_reason == FINISH_ERROR:
+            if not seq.is_finished or (seq.finish_reason == FINISH_ERROR
+                                       and seq.error != SAMPLED_NOTHING):
                 continue  # most rows, every step: the cheap test first
             live = self._live.get(seq)
             if live is None or live.matcher is None:

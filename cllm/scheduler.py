@@ -15,6 +15,8 @@ from cllm.prefix_cache import (KvOp, Placement, PrefixCache, Slot, common_packed
 from cllm.sequence import (FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, FINISH_TIMEOUT, Sequence,
                            SequenceStatus)
 
+SAMPLED_NOTHING = "the step sampled no token"  # the error of a row that got no token
+
 
 class QueueFullError(Exception):
     """The waiting queue is at its limit; the client should retry later."""
@@ -219,7 +221,7 @@ class Scheduler:
     def _sampled_nothing(self, seq: Sequence, now: float) -> None:
         """End a sequence whose row was to sample and got no token: nothing is left for it to
         compute, so it would otherwise wait for a token forever."""
-        self.finish(seq, FINISH_ERROR, now, "the step sampled no token")
+        self.finish(seq, FINISH_ERROR, now, SAMPLED_NOTHING)
 
     def drop_last_tokens(self, seq: Sequence, n: int) -> None:
         """Forget `seq`'s last `n` output tokens: a decode run made them after a stop string
