@@ -648,6 +648,7 @@ def test_a_failed_decode_ends_its_request_with_an_error_and_the_engine_goes_on(m
         eng.shutdown()
 
 
+@ON_GPU_NOT_BATCH_INVARIANT  # the short rows' texts are compared with theirs decoded alone
 def test_a_row_that_fails_its_batch_fails_alone_and_the_others_go_on(model_path, alone):
     """A decode that fails whenever one long prefill is in the batch (as a GPU out of memory
     for that prefill would) ends only that request; the rows beside it decode their own text."""
