@@ -1125,7 +1125,9 @@ cdef class Context:
 
     cdef int _sample_chain(self, llama_sampler * chain, const float * logits) noexcept nogil:
         """The token `chain` picks from one row of logits, which it then accepts, as
-        llama_sampler_sample does (which takes the graph's token whenever the graph sampled)."""
+        llama_sampler_sample does (which takes the graph's token whenever the graph sampled);
+        -1 where no token was allowed (every logit -inf: llama.cpp's dist sampler would then
+        pick the last candidate), as _greedy answers."""
         cdef int token
         for token in range(self.n_vocab):
             self.candidates[token].id = token
@@ -1134,7 +1136,8 @@ cdef class Context:
         cdef llama_token_data_array cur
         cur.data, cur.size, cur.selected, cur.sorted = self.candidates, self.n_vocab, -1, False
         llama_sampler_apply(chain, &cur)
-        if cur.selected < 0 or <size_t> cur.selected >= cur.size:
+        if (cur.selected < 0 or <size_t> cur.selected >= cur.size
+                or cur.data[cur.selected].logit == -INFINITY):
             return -1
         token = cur.data[cur.selected].id
         llama_sampler_accept(chain, token)

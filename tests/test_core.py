@@ -267,14 +267,16 @@ def test_a_decode_run_advances_constrained_rows_between_its_steps(ctx, model):
     assert [more for _, more in seen] == [True] * 7 + [False]
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 3}],
+                         ids=["greedy", "sampled"])
 def test_a_row_whose_bitmask_allows_no_token_samples_none_and_the_run_goes_on_without_it(
-        ctx, model):
-    """A greedy row that may take no token samples -1 (as ggml's CUDA argmax answers in the
-    graph) and stops there: fed on, its -1 would make llama.cpp refuse the step for every row."""
+        ctx, model, sampling):
+    """A row that may take no token samples -1 (as ggml's CUDA argmax answers in the graph)
+    and stops there: fed on, its -1 would make llama.cpp refuse the step for every row."""
     tokens = [model.tokenize(p) for p in PROMPTS[:2]]
     nothing = array("i", bytes(4 * ctx.mask_words))
-    for seq_id in (0, 1):
-        ctx.set_sampler(seq_id, ban_eog=True)
+    ctx.set_sampler(0, ban_eog=True, **sampling)
+    ctx.set_sampler(1, ban_eog=True)
     first = ctx.step(ints([0, 1]), ints([0, 0]), ints([len(t) for t in tokens]), ints([1, 1]),
                      ints(tokens[0] + tokens[1]))
     run, counts = ctx.decode_run(ints([0, 1]), ints([len(t) for t in tokens]), first,
