@@ -1235,7 +1235,8 @@ cdef class Context:
             for i in range(n_out):
                 r = self.out_row[i]
                 out[r] = self.out_tokens[i]
-                if wanted.top != NULL and wanted.top[r] >= 0 and self.out_host[i] != NULL:
+                if (wanted.top != NULL and wanted.top[r] >= 0 and self.out_host[i] != NULL
+                        and out[r] >= 0):  # a row that sampled no token has none to weigh
                     _fill_logprobs(self.out_host[i], self.n_vocab,
                                    out[r], min(wanted.top[r], wanted.k), &wanted.chosen[r],
                                    &wanted.top_ids[r * wanted.k],

@@ -289,6 +289,15 @@ def test_a_row_whose_bitmask_allows_no_token_samples_none_and_the_run_goes_on_wi
     assert ends == [len(tokens[0]), len(tokens[1]) + 5]
 
 
+def test_a_step_row_that_samples_no_token_has_no_logprobs(ctx, model):
+    tokens = model.tokenize(PROMPTS[0])
+    ctx.set_sampler(3)
+    sampled, lp = ctx.step(ints([3]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens),
+                           ints([3]), ints([0]), array("i", bytes(4 * ctx.mask_words)))
+    ctx.remove_sequence(3)
+    assert list(sampled) == [-1] and lp.row(0)[1] == []
+
+
 def test_run_timing_counts_the_steps_of_decode_runs_since_it_was_last_read(ctx, model):
     tokens = model.tokenize(PROMPTS[0])
     ctx.set_sampler(4, ban_eog=True)
