@@ -523,13 +523,12 @@ int cllm_slot_table_masked_argmax(struct cllm_slot_table * t, int32_t n, const i
             ggml_backend_tensor_get(chosen, out, 0, (size_t) m * sizeof(int32_t));
             for (int32_t i = 0, j = 0; i < n; i++) {
                 if (masks[i] != NULL) {
-                    const int32_t token = out[j++];
                     /* A row whose bitmask allows nothing its slot may sample (all -inf: its
                        grammar failed and lets only an end token through, which the slot bans)
-                       has no maximum, and CUDA's argmax then says -1; the host's argmax takes
-                       the first token there, which the grammar refuses: the request ends
-                       with the grammar's error. Do the same. */
-                    tokens[i] = token >= 0 ? token : 0;
+                       has no maximum: CUDA's argmax says -1, as the host's sampling does, and
+                       the row samples no token (ggml-cpu's argmax says 0, a token the grammar
+                       refuses). Either way the request ends with the grammar's error. */
+                    tokens[i] = out[j++];
                 }
             }
             rc = 0;
