@@ -190,7 +190,9 @@ def test_a_grammar_keeps_its_model_alive(model_path):
     assert alive() is None
 
 
-def test_a_grammar_that_fails_while_generating_ends_its_request_with_the_error(engine):
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 5}],
+                         ids=["greedy", "sampled"])
+def test_a_grammar_that_fails_while_generating_ends_its_request_with_the_error(engine, sampling):
     """A matcher that fails computing a bitmask mid-reply (here past a parser limit of three
     Earley items a step, at the fourth token of YES_NO) lets only end tokens through, or
     nothing at all where they are banned: the request ends with finish reason "error" naming
@@ -202,7 +204,7 @@ def test_a_grammar_that_fails_while_generating_ends_its_request_with_the_error(e
     prompt = engine.model.tokenize(chat_prompt("Is the sea salty?"))
     for ignore_eos in (False, True):
         text, _, final = asyncio.run(run_tokens(engine, prompt, grammar=failing, max_tokens=16,
-                                                temperature=0, ignore_eos=ignore_eos))
+                                                ignore_eos=ignore_eos, **sampling))
         assert not re.fullmatch(r"The answer is (yes|no)\.", text)  # cut short
         assert final.finish_reason == "error", (ignore_eos, text, final)
         assert "Too many items" in final.error
