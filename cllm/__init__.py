@@ -1,9 +1,25 @@
 """cllm: an LLM inference server for GGUF models.
 
-CLLM_PACKAGE_PATH names more directories of this package, searched after its own: how the
-tests run the working tree's Python code with an installed copy's native extension. A variable
-rather than a path set in one process, so that every process it starts (Ray's replicas) finds
-the same modules."""
+Run from a checkout after `pip install .` (README's first command), `python -m cllm.serve` finds
+the checkout's `cllm/` first, which has no built native extension: the package then also
+searches the installed copy's directory, so that the checkout's modules run with that copy's
+`_core` (as the tests and the processes they start, Ray's replicas among them, do too)."""
 import os
+from importlib import machinery, metadata
 
-__path__ += [p for p in os.environ.get("CLLM_PACKAGE_PATH", "").split(os.pathsep) if p]
+
+def _installed_extension_dirs(own: str) -> list[str]:
+    """[the installed copy's directory] when `own` has no `_core` extension of its own, else []."""
+    if any(os.path.exists(os.path.join(own, "_core" + suffix))
+           for suffix in machinery.EXTENSION_SUFFIXES):
+        return []
+    try:
+        files = metadata.files("cllm") or []
+    except metadata.PackageNotFoundError:
+        return []
+    return [str(f.locate().parent) for f in files
+            if f.parent.name == "cllm" and f.name.startswith("_core.")
+            and f.suffix in (".so", ".pyd")][:1]
+
+
+__path__ += [d for d in _installed_extension_dirs(__path__[0]) if d not in __path__]

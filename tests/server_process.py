@@ -1,13 +1,10 @@
 """Start and stop a real `python -m cllm.serve` process for the HTTP tests.
 
-The server runs the working tree's Python code. Its native extension (`cllm/_core*.so`) comes
-from the working tree when it was built in place, else from the installed package: the child
-then extends the `cllm` package path with the installed copy's directory (CLLM_PACKAGE_PATH,
-which the processes it starts inherit), so only `_core` is found there, and runs `cllm.serve`
-as `python -m` would."""
+The server runs the working tree's Python code (the tree comes first on its path); its native
+extension comes from the installed copy where the tree has none, as `cllm/__init__.py` finds
+it for any process that imports the tree."""
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import signal
 import subprocess
@@ -23,31 +20,9 @@ from cllm.bench.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
-# `python -m cllm.serve`, with the installed package's directory behind the working tree's.
-_LAUNCHER = ("import os, runpy, sys; os.environ['CLLM_PACKAGE_PATH'] = sys.argv.pop(1); "
-             "runpy.run_module('cllm.serve', run_name='__main__', alter_sys=True)")
-
-
-def _installed_core_dir() -> str | None:
-    try:
-        files = importlib.metadata.files("cllm") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if f.parent.name == "cllm" and f.name.startswith("_core") and f.suffix in (".so", ".pyd"):
-            return str(f.locate().parent)
-    return None
-
-
 def serve_command() -> list[str]:
     """The argv prefix that runs the working tree's `cllm.serve` (options follow)."""
-    if any((REPO / "cllm").glob("_core*.so")):
-        return [sys.executable, "-m", "cllm.serve"]
-    core_dir = _installed_core_dir()
-    if core_dir is None:
-        raise RuntimeError("cllm._core is neither built in the working tree nor installed; "
-                           "run `pip install --no-build-isolation .`")
-    return [sys.executable, "-c", _LAUNCHER, core_dir]
+    return [sys.executable, "-m", "cllm.serve"]
 
 
 def server_env() -> dict[str, str]:
