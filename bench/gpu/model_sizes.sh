@@ -9,7 +9,8 @@
 #                                   wheels: carry .device/gpu14/whl)
 #   model_sizes.sh bench MODEL...   python -m cllm.bench: cllm, llama-server split and unified KV
 #   model_sizes.sh batched MODEL... llama-batched-bench TG at the same batch sizes
-#   model_sizes.sh summary          the table: cllm, the faster llama-server, TG, TTFT
+#   model_sizes.sh summary          the table: cllm, the faster llama-server, TG, TTFT;
+#                                   a plot a model (by-streams.png)
 #
 # MODEL: llama-3.2-1b, qwen2.5-3b, llama-3.1-8b. Needs the CUDA build of stage-and-build.sh
 # (cllm installed, llama-server, llama-batched-bench and llama-quantize in /root/w/build/bin) and
@@ -97,6 +98,10 @@ case "$phase" in
     make) install_wheels; for m in "$@"; do make_model "$m"; done ;;
     bench) cd /tmp && for m in "$@"; do bench_model "$m"; done ;;
     batched) for m in "$@"; do batched_model "$m"; done ;;
-    summary) python3 "$REPO"/bench/gpu/model_sizes_table.py "$RESULTS" ;;
+    summary) python3 "$REPO"/bench/gpu/model_sizes_table.py "$RESULTS"
+        for d in "$RESULTS"/*/; do  # a plot a model: its levels came from servers started anew
+            ls "$d"bench-*.json > /dev/null 2>&1 || continue
+            python3 -m cllm.bench.report plot --join "$d"bench-*.json --out "$d"by-streams.png
+        done ;;
     *) echo "usage: $0 make|bench|batched MODEL... | summary"; exit 2 ;;
 esac

@@ -196,9 +196,10 @@ def _cell(fmt: str, value: object) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def plot(reports: list[dict], path: Path) -> Path | None:
+def plot(reports: list[dict], path: Path, join: bool = False) -> Path | None:
     """Output throughput and TTFT p50 against the level (concurrency, or request rate for
-    open-loop levels; all-at-once rates are left out), one line per server (and run)."""
+    open-loop levels; all-at-once rates are left out), one line per server and report, or
+    with `join` one line per server across the reports (a sweep run one level a report)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -208,7 +209,7 @@ def plot(reports: list[dict], path: Path) -> Path | None:
               "`python -m cllm.bench.report plot RESULTS.json`)", file=sys.stderr)
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = _series(reports)
+    series = _series(reports, join)
     levels_seen = sorted({_x(r) for runs in series.values() for r in runs})
     for label, runs in series.items():
         levels = [_x(r) for r in runs]
@@ -230,10 +231,11 @@ def plot(reports: list[dict], path: Path) -> Path | None:
     return path
 
 
-def _series(reports: list[dict]) -> dict[str, list[dict]]:
+def _series(reports: list[dict], join: bool) -> dict[str, list[dict]]:
     series: dict[str, list[dict]] = {}
     for report in reports:
-        suffix = f" ({report.get('tag') or report['date']})" if len(reports) > 1 else ""
+        named = len(reports) > 1 and not join
+        suffix = f" ({report.get('tag') or report['date']})" if named else ""
         for run in report["runs"]:
             if math.isfinite(_x(run)):
                 series.setdefault(run["server"] + suffix, []).append(run)
@@ -257,8 +259,15 @@ def _title(reports: list[dict]) -> str:
     s = first["settings"]
     parts = [first["machine"].get("cpu"), ", ".join(first["machine"].get("gpu") or []),
              f"{s.get('workload', 'standard')} workload",
-             f"{s.get('requests')} requests × {s.get('max_tokens')} tokens", first["date"]]
+             f"{_span([r['settings'].get('requests') for r in reports])} requests × "
+             f"{_span([r['settings'].get('max_tokens') for r in reports])} tokens", first["date"]]
     return " · ".join(p for p in parts if p)
+
+
+def _span(values: list) -> str:
+    """One value, or the range of several (reports of a sweep may differ)."""
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}–{high}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -267,10 +276,13 @@ def main(argv: list[str] | None = None) -> None:
     draw = commands.add_parser("plot", help="draw the PNG plot from result JSON files")
     draw.add_argument("results", nargs="+", type=Path)
     draw.add_argument("--out", type=Path, help="PNG path (default: beside the first JSON)")
+    draw.add_argument("--join", action="store_true",
+                      help="one line per server across the files, e.g. a sweep that started "
+                           "its servers anew for each level (bench/gpu/model_sizes.sh)")
     args = parser.parse_args(argv)
     reports = [json.loads(p.read_text()) for p in args.results]
     out = args.out or args.results[0].with_suffix(".png")
-    if plot(reports, out):
+    if plot(reports, out, args.join):
         print(out)
 
 

@@ -105,6 +105,20 @@ def test_plot_from_json(tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_joined_plot_draws_one_line_per_server_across_the_files():
+    low, high = _report("low"), _report("high")
+    for run in high["runs"]:
+        run["concurrency"] *= 64  # the sweep's next levels, from servers started anew
+    high["settings"]["requests"] = 128
+    apart = report._series([low, high], join=False)
+    assert sorted(apart) == ["cllm (high)", "cllm (low)", "llama-server (high)",
+                             "llama-server (low)"]
+    joined = report._series([low, high], join=True)
+    assert sorted(joined) == ["cllm", "llama-server"]
+    assert [run["concurrency"] for run in joined["cllm"]] == [1, 8, 64, 512]
+    assert "2–128 requests × 3 tokens" in report._title([low, high])
+
+
 def test_table_says_when_the_client_itself_was_near_a_core():
     runs = _report()["runs"]
     runs[0]["client_cpu_share"], runs[1]["client_cpu_share"] = 0.97, 0.3
