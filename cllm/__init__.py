@@ -5,7 +5,7 @@ the checkout's `cllm/` first, which has no built native extension: the package t
 searches the installed copy's directory, so that the checkout's modules run with that copy's
 `_core` (as the tests and the processes they start, Ray's replicas among them, do too)."""
 import os
-from importlib import machinery, metadata
+from importlib import machinery
 
 
 def _installed_extension_dirs(own: str) -> list[str]:
@@ -13,6 +13,7 @@ def _installed_extension_dirs(own: str) -> list[str]:
     if any(os.path.exists(os.path.join(own, "_core" + suffix))
            for suffix in machinery.EXTENSION_SUFFIXES):
         return []
+    from importlib import metadata  # here: an installed or built copy never needs it
     try:
         files = metadata.files("cllm") or []
     except metadata.PackageNotFoundError:
