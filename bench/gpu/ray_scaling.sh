@@ -149,13 +149,16 @@ load() {
 }
 
 # start_clients TAG C K ARGS...: K benchmark processes against $URL in the background, each with
-# a Kth of C streams (tags TAG-k1..TAG-kK); their pids are appended to CLIENTS_PIDS.
+# a Kth of C streams (tags TAG-k1..TAG-kK) and prompts of its own (--seed: with one seed they
+# all sent the same prompt at once, a burst of one routing key); their pids are appended to
+# CLIENTS_PIDS.
 CLIENTS_PIDS=()
 start_clients() {
   local tag=$1 c=$2 k=$3; shift 3
   for i in $(seq "$k"); do
     bench "$tag-k$i" --concurrency $((c / k)) --requests $((c * REQUESTS_PER / k)) \
-          --warmup $((c / k)) --prompt-tokens 128 --max-tokens $MAX_TOKENS "$@" > /dev/null &
+          --warmup $((c / k)) --prompt-tokens 128 --max-tokens $MAX_TOKENS --seed "$i" "$@" \
+          > /dev/null &
     CLIENTS_PIDS+=($!)
   done
 }

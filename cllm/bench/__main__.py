@@ -27,7 +27,7 @@ from .loadgen import (Connections, HttpTarget, Level, ReplyLengths, Sender, firs
 from .peer import build, start_peer
 from .servers import StartedServer, say, start_cllm
 from .stats import request_records, summarize
-from .workloads import LevelPlan, plans
+from .workloads import LevelPlan, level_seed, plans
 
 
 @dataclass(slots=True)
@@ -125,7 +125,8 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
             # The order of servers flips from run to run so neither always runs first.
             for group in groups if i % 2 == 0 else groups[::-1]:
                 for t in group:
-                    run = await _measure(t, level, plan, seed=i, slo=args.goodput)
+                    run = await _measure(t, level, plan, seed=level_seed(args, i),
+                                         slo=args.goodput)
                     run["repeat"] = repeat
                     data["runs"].append(run)
                     _print_run(run)

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="measure each level this many times, to show the spread "
                            "(default 1)")
     load.add_argument("--max-tokens", type=_positive, default=50)
+    load.add_argument("--seed", type=_non_negative, default=0,
+                      help="which series of generated prompts, conversations and arrivals "
+                           "(default 0): benchmark processes loading one server together need "
+                           "their own, or they send the same prompts at the same time")
     load.add_argument("--workload", choices=WORKLOADS, default="standard",
                       help="standard: the prompts below; shared-prefix: one long document (or "
                            "--documents), a different question after it each request; "

@@ -86,18 +86,25 @@ def plans(args: argparse.Namespace) -> Iterator[LevelPlan]:
         yield from _standard(args, len(levels))
         return
     for index, level in enumerate(levels):
+        seed = level_seed(args, index)
         if args.workload == "multi-turn":
-            yield _multi_turn(args, level.concurrency, seed=index)
+            yield _multi_turn(args, level.concurrency, seed=seed)
             continue
         count = args.requests + args.warmup
         if args.workload == "sharegpt":
-            yield _split(_sharegpt(args, count, seed=index), args.warmup)
+            yield _split(_sharegpt(args, count, seed=seed), args.warmup)
             continue
-        texts = (prompt_sets.shared_prefix(args.prefix_tokens, count, seed=index,
+        texts = (prompt_sets.shared_prefix(args.prefix_tokens, count, seed=seed,
                                            documents=args.documents)
                  if args.workload == "shared-prefix"
-                 else prompt_sets.mixed(count, *MIXED_TOKENS, seed=index))
+                 else prompt_sets.mixed(count, *MIXED_TOKENS, seed=seed))
         yield _split(texts, args.warmup)
+
+
+def level_seed(args: argparse.Namespace, index: int) -> int:
+    """The seed of the index-th level run: each --seed has a series of its own, and --seed 0
+    is the series every run before the option had."""
+    return args.seed * len(args.levels) * args.runs + index
 
 
 def _sharegpt(args: argparse.Namespace, count: int, seed: int) -> list[Sized]:
@@ -115,7 +122,7 @@ def _sharegpt(args: argparse.Namespace, count: int, seed: int) -> list[Sized]:
 def _standard(args: argparse.Namespace, n_plans: int) -> Iterator[LevelPlan]:
     n_prompts = args.requests + args.warmup
     if args.prompt_tokens:
-        texts = prompt_sets.synthetic(args.prompt_tokens, n_prompts * n_plans)
+        texts = prompt_sets.synthetic(args.prompt_tokens, n_prompts * n_plans, seed=args.seed)
     elif args.prompt_file:
         texts = prompt_sets.from_file(args.prompt_file)
     else:

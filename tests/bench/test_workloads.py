@@ -32,6 +32,23 @@ def test_prompt_workloads_are_seeded_per_level(workload):
     assert set(levels[0].prompts).isdisjoint(levels[1].prompts)
 
 
+@pytest.mark.parametrize("workload", ["standard", "shared-prefix", "mixed", "multi-turn"])
+def test_each_seed_is_its_own_series(workload):
+    """Benchmark processes loading one server together pass their own --seed: none may send
+    another's prompts; the same seed sends the same ones, and 0 those of a run without it."""
+    argv = ("--workload", workload, "--prompt-tokens" if workload == "standard" else "--turns",
+            "20" if workload == "standard" else "2", "--requests", "4")
+
+    def texts(*seed: str) -> set:
+        return {str(item) for plan in _plans(*argv, *seed)
+                for item in plan.warmup + plan.prompts + plan.conversations}
+
+    assert texts() == texts("--seed", "0")
+    assert texts("--seed", "1") == texts("--seed", "1")
+    assert texts("--seed", "1").isdisjoint(texts()) and texts("--seed", "1").isdisjoint(
+        texts("--seed", "2"))
+
+
 def test_shared_prefix_level_shares_one_document():
     plan = _plans("--workload", "shared-prefix", "--prefix-tokens", "50")[0]
     documents = {p.split("\n\nQuestion ")[0] for p in plan.warmup + plan.prompts}
