@@ -1,0 +1,31 @@
+"""How `--replicas N` lays the application out (cluster._layout), without starting Ray."""
+import pytest
+
+from cllm.cluster import _layout
+from cllm.config import EngineConfig, ServerConfig
+
+OPTIONS = {"replicas": 2, "gpus_per_replica": 0.0, "front_replicas": None,
+           "min_replicas": None, "max_replicas": None, "target_ongoing_requests": None,
+           "max_ongoing_requests": None, "routing": "prefix"}
+
+
+@pytest.fixture
+def config(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # _layout would choose one for the replicas
+    return ServerConfig(engine=EngineConfig(n_parallel=6, n_threads=1))
+
+
+def test_a_replica_takes_as_many_requests_as_it_has_slots(config):
+    """More wait in the fronts' routers for the first replica that frees a slot, rather than
+    in one replica's queue beside another's free slot."""
+    _, plan = _layout(config, OPTIONS)
+    assert (plan.max_ongoing_requests, plan.target_ongoing_requests) == (6, 6)
+    _, plan = _layout(config, {**OPTIONS, "max_ongoing_requests": 9})
+    assert plan.max_ongoing_requests == 9
+
+
+def test_a_front_per_replica_and_the_threads_each_cpu_replica_reserves(config):
+    _, plan = _layout(config, OPTIONS)
+    assert (plan.fronts, plan.cpus_per_replica, plan.gpus_per_replica) == (2, 1.0, 0.0)
+    _, plan = _layout(config, {**OPTIONS, "min_replicas": 1, "max_replicas": 4})
+    assert plan.fronts == 4  # one per replica the autoscaler may start
