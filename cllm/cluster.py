@@ -64,9 +64,9 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                                                                     n_threads=threads))
     apply_cpu_wait(config.engine.cpu_wait, threads)  # decided here, applied in the replicas
     parallel = config.engine.n_parallel
-    # A replica takes what its slots hold; the rest wait in the fronts' routers for the first
-    # replica that frees one (ARCHITECTURE.md, Scale-out: queued in a replica, they waited
-    # beside another's free slot and broke its decode runs).
+    # A replica takes twice its slots: at the slots themselves, requests beyond them wait in
+    # the fronts' routers, which probe the replicas until one has room, and the probes took
+    # half the engines' time on a CPU (ARCHITECTURE.md, Scale-out).
     # A front per replica: one front for 2 or 4 GPU replicas was their ceiling (ARCHITECTURE.md).
     fronts = options["front_replicas"]
     if fronts is None:
@@ -75,7 +75,7 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                 min_replicas=options["min_replicas"],
                 max_replicas=options["max_replicas"],
                 target_ongoing_requests=options["target_ongoing_requests"] or parallel,
-                max_ongoing_requests=options["max_ongoing_requests"] or parallel,
+                max_ongoing_requests=options["max_ongoing_requests"] or 2 * parallel,
                 router=options["routing"], cpus_per_replica=1.0 if gpus else float(threads),
                 gpus_per_replica=gpus,
                 env_vars={k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ})

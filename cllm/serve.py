@@ -98,7 +98,7 @@ OPTIONS = {
     "target_ongoing_requests": (float, None, "requests per replica the autoscaler aims at "
                                 "[--parallel]"),
     "max_ongoing_requests": (int, None, "requests a replica takes at once; more wait in Ray's "
-                             "router [--parallel]"),
+                             "router [2 x --parallel]"),
     "front_replicas": (int, None, "processes that read, route and relay requests to the "
                        "replicas (ARCHITECTURE.md, Scale-out) [one per replica, or per "
                        "--max-replicas]"),

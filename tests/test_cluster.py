@@ -15,11 +15,11 @@ def config(monkeypatch):
     return ServerConfig(engine=EngineConfig(n_parallel=6, n_threads=1))
 
 
-def test_a_replica_takes_as_many_requests_as_it_has_slots(config):
-    """More wait in the fronts' routers for the first replica that frees a slot, rather than
-    in one replica's queue beside another's free slot."""
+def test_a_replica_queues_as_many_requests_as_it_has_slots(config):
+    """Beyond that they wait in the fronts' routers, which probe the replicas until one has
+    room; the autoscaler aims at the slots."""
     _, plan = _layout(config, OPTIONS)
-    assert (plan.max_ongoing_requests, plan.target_ongoing_requests) == (6, 6)
+    assert (plan.max_ongoing_requests, plan.target_ongoing_requests) == (12, 6)
     _, plan = _layout(config, {**OPTIONS, "max_ongoing_requests": 9})
     assert plan.max_ongoing_requests == 9
 
