@@ -621,6 +621,13 @@ cdef class Context:
         self._check_seq(seq_id)
         return llama_memory_seq_pos_max(llama_get_memory(self.ctx), seq_id)
 
+    @property
+    def graphs_reused(self):
+        """How many times llama.cpp ran a step on the graph of the step before (the same
+        shape, and the same KV span), since the context was made, rather than building one:
+        on a GPU a new graph costs host time and, in ggml-cuda, its CUDA graph too."""
+        return llama_perf_context(self.ctx).n_reused
+
     def kv_cells_used(self):
         """KV positions held, summed over sequences: a cell that several sequences share
         counts once for each."""

@@ -149,6 +149,15 @@ cdef extern from "llama.h" nogil:
     int32_t llama_decode(llama_context * ctx, llama_batch batch)
     float * llama_get_logits(llama_context * ctx)
     float * llama_get_embeddings_seq(llama_context * ctx, llama_seq_id seq_id)
+    ctypedef struct llama_perf_context_data:
+        double t_start_ms
+        double t_load_ms
+        double t_p_eval_ms
+        double t_eval_ms
+        int32_t n_p_eval
+        int32_t n_eval
+        int32_t n_reused
+    llama_perf_context_data llama_perf_context(const llama_context * ctx)
 
     llama_sampler * llama_sampler_chain_init(llama_sampler_chain_params params)
     void llama_sampler_chain_add(llama_sampler * chain, llama_sampler * smpl)

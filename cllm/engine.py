@@ -180,6 +180,7 @@ class Engine:
         self._masks = structured.MaskFiller(self.ctx.mask_words, overlap=gpu,
                                             threads=_mask_threads() if gpu else 1)
         self.timer = StepTimer()
+        self._graphs_reused = self.ctx.graphs_reused  # the core's count when the timer last read it
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where runs of 8 lost 9-14% at 32 streams and
         # were no sure gain at one (ARCHITECTURE.md, "Decode runs stay on the GPU").
@@ -369,7 +370,13 @@ class Engine:
         timer.lap("postprocess")
         outbox.deliver()
         timer.lap("handoff")
-        timer.end(len(out.chunks), forward_steps)
+        timer.end(len(out.chunks), forward_steps, self._graphs_reused_since())
+
+    def _graphs_reused_since(self) -> int:
+        """The steps llama.cpp ran on the graph of the step before since the last call."""
+        total = self.ctx.graphs_reused
+        new, self._graphs_reused = total - self._graphs_reused, total
+        return new
 
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many decode steps to run in C at once: several only while nobody waits, no

@@ -91,6 +91,8 @@ ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
     "steps": ("cllm_engine_steps", "Calls into the core (a decode run is one)"),
     "rows": ("cllm_engine_step_rows", "Rows those calls carried"),
     "forward_steps": ("cllm_engine_forward_steps", "Forward steps computed (a run's several)"),
+    "graphs_reused": ("cllm_engine_graphs_reused",
+                      "Forward steps llama.cpp ran on the graph of the step before, not a new one"),
     "run_steps": ("cllm_engine_run_steps", "Forward steps of decode runs"),
     "gap_rows": ("cllm_engine_run_gap_rows",
                  "Placeholder rows those steps carried between split streams"),

@@ -4,7 +4,8 @@ arrays), decode+sample (C), postprocess, hand-off; and for the calls that are de
 what their forward steps spend in the core as it times them (llama_decode, after_step, the
 wait for the step to finish on a GPU, sampling), what their decode laps hold beyond that
 ("outside": the Python around the core's run, the GIL's hand-back), the placeholder rows
-they carry between split streams, and the rows they hold after those stopped.
+they carry between split streams, and the rows they hold after those stopped; and how many
+forward steps llama.cpp ran on the graph of the step before instead of building one.
 
 Cumulative, so a benchmark can read the split over many steps; a few perf_counter calls a step.
 A "step" here is one call into the core: a decode run computes several forward steps in it."""
@@ -28,6 +29,7 @@ class StepTimer:
         self.steps = 0
         self.rows = 0
         self.forward_steps = 0
+        self.graphs_reused = 0
         self.run: dict[str, float] = defaultdict(float)  # seconds inside runs by part
         self.run_steps = 0
         self.run_rows = dict.fromkeys(RUN_ROWS, 0)  # RUN_ROWS' counts over the runs' steps
@@ -59,7 +61,7 @@ class StepTimer:
         parts["outside"] = call_seconds - sum(parts.values())
         self._run = (parts, steps, {key: round(timing[key] * steps) for key in RUN_ROWS})
 
-    def end(self, rows: int, forward_steps: int = 1) -> None:
+    def end(self, rows: int, forward_steps: int = 1, graphs_reused: int = 0) -> None:
         for phase, seconds in self._laps.items():
             self.totals[phase] += seconds
         self._laps.clear()
@@ -74,17 +76,19 @@ class StepTimer:
         self.steps += 1
         self.rows += rows
         self.forward_steps += forward_steps
+        self.graphs_reused += graphs_reused
 
     def reset(self) -> None:
         self.totals.clear()
         self.run.clear()
-        self.steps = self.rows = self.forward_steps = self.run_steps = 0
+        self.steps = self.rows = self.forward_steps = self.run_steps = self.graphs_reused = 0
         self.run_rows = dict.fromkeys(RUN_ROWS, 0)
 
     def snapshot(self) -> dict:
         """The counts so far, safe to read from another thread (the metrics' scrape)."""
         return {"totals": dict(self.totals), "steps": self.steps, "rows": self.rows,
-                "forward_steps": self.forward_steps, "run": dict(self.run),
+                "forward_steps": self.forward_steps, "graphs_reused": self.graphs_reused,
+                "run": dict(self.run),
                 "run_steps": self.run_steps, **self.run_rows}
 
     def summary(self) -> dict:
@@ -93,7 +97,7 @@ class StepTimer:
 
 def summarize(counts: dict) -> dict:
     """Mean milliseconds per step for each phase, the share outside decode, rows and forward
-    steps per call into the core; if decode runs ran, the milliseconds a forward step of theirs
+    steps per call into the core, the share of forward steps that reused the graph before; if decode runs ran, the milliseconds a forward step of theirs
     by part (the core's, and outside it) and the rows they carried beside the sequences' own
     (RUN_ROWS); from a snapshot, or the difference of two."""
     steps = max(counts["steps"], 1)
@@ -103,6 +107,7 @@ def summarize(counts: dict) -> dict:
     result["steps"] = counts["steps"]
     result["rows_per_step"] = counts["rows"] / steps
     result["forward_steps_per_step"] = counts["forward_steps"] / steps
+    result["graphs_reused_share"] = counts["graphs_reused"] / max(counts["forward_steps"], 1)
     result["overhead_share"] = 1 - totals.get("decode", 0.0) / total if total else 0.0
     run_steps = counts["run_steps"]
     if run_steps:  # ms a forward step of the runs

@@ -312,6 +312,23 @@ def test_run_timing_counts_the_steps_of_decode_runs_since_it_was_last_read(ctx, 
     assert ctx.run_timing()["steps"] == 0
 
 
+def test_decode_steps_of_one_shape_run_on_the_graph_of_the_step_before(ctx, model):
+    """llama.cpp builds a graph for a step of a new shape (the prompt, the first decode, a
+    piece of 3 tokens) and reuses the one before for a step of the same shape."""
+    tokens = model.tokenize(PROMPTS[0])
+    ctx.set_sampler(5, ban_eog=True)
+    last = ctx.step(ints([5]), ints([0]), ints([len(tokens)]), ints([1]), ints(tokens))
+    counts, position = [ctx.graphs_reused], len(tokens)
+    for _ in range(4):
+        last = ctx.step(ints([5]), ints([position]), ints([1]), ints([1]), last)
+        counts.append(ctx.graphs_reused)
+        position += 1
+    ctx.step(ints([5]), ints([position]), ints([3]), ints([1]), ints(tokens[:3]))
+    counts.append(ctx.graphs_reused)
+    ctx.remove_sequence(5)
+    assert [c - counts[0] for c in counts] == [0, 0, 1, 2, 3, 3]
+
+
 HELD_ROWS = [0, 2, 5]
 HELD_KINDS = [{"ban_eog": True}, {"temperature": 0.9, "seed": 11}, {"host_logits": True}]
 

@@ -9,7 +9,8 @@ def served(calls: int, rows: int, forward_steps: int) -> tuple[Metrics, StepTime
     metrics, timer = Metrics(), StepTimer()
     metrics.registry.register(_EngineSteps(timer))
     for _ in range(calls):
-        call(timer, "decode", rows=rows, forward_steps=forward_steps)
+        call(timer, "decode", rows=rows, forward_steps=forward_steps,
+             graphs_reused=forward_steps - 1)
     return metrics, timer
 
 
@@ -17,6 +18,7 @@ def test_one_servers_counts_read_back_as_its_timer_has_them():
     metrics, timer = served(calls=3, rows=5, forward_steps=8)
     counts = step_timer_counts(metrics.render().decode())
     assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (3, 15, 24)
+    assert counts["graphs_reused"] == 21
     assert counts["totals"]["decode"] == timer.totals["decode"]
 
 

@@ -3,12 +3,12 @@ snapshots."""
 from cllm.steptimer import StepTimer, since, summarize
 
 
-def call(timer, *phases, rows=1, forward_steps=1):
+def call(timer, *phases, rows=1, forward_steps=1, graphs_reused=0):
     """One call into the core, as the engine times it."""
     timer.start()
     for phase in phases:
         timer.lap(phase)
-    timer.end(rows, forward_steps)
+    timer.end(rows, forward_steps, graphs_reused)
 
 
 def test_the_steps_between_two_snapshots():
@@ -16,12 +16,14 @@ def test_the_steps_between_two_snapshots():
     call(timer, "decode", rows=4)
     first = timer.snapshot()
     for _ in range(2):  # two decode runs of 8 forward steps
-        call(timer, "schedule", "decode", rows=6, forward_steps=8)
+        call(timer, "schedule", "decode", rows=6, forward_steps=8, graphs_reused=6)
     between = since(timer.snapshot(), first)
     assert (between["steps"], between["rows"], between["forward_steps"]) == (2, 12, 16)
+    assert between["graphs_reused"] == 12
     assert between["totals"]["decode"] == timer.totals["decode"] - first["totals"]["decode"]
     summary = summarize(between)
     assert summary["rows_per_step"] == 6 and summary["forward_steps_per_step"] == 8
+    assert summary["graphs_reused_share"] == 12 / 16
     assert set(summary) >= {"schedule_ms", "decode_ms", "overhead_share"}
     assert 0 <= summary["overhead_share"] <= 1
 
