@@ -707,13 +707,14 @@ cdef class Context:
     def decode_run(self, const int[::1] seq_ids, const int[::1] positions,
                    const int[::1] last_tokens, const int[::1] budgets, int n_steps,
                    const int[::1] mask_rows=None, const int[::1] masks=None,
-                   const int[::1] masks_ready=None, after_step=None):
+                   const int[::1] masks_ready=None, after_step=None, bint end_at_stop=False):
         """Up to `n_steps` decode steps in C for sequences that are past their prompts.
 
         Row r continues `seq_ids[r]` from `last_tokens[r]` at `positions[r]` and stops after
         `budgets[r]` tokens, or after an end-of-generation token (which a sequence set to
         `ban_eog` never samples). The run
-        ends early when every row has stopped, on `interrupt()`, or when the KV cache is full.
+        ends early when every row has stopped, on `interrupt()`, when the KV cache is full, or,
+        with `end_at_stop`, after the step in which a row stopped (a request waits for a slot).
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
         A step that fails ends the run with what the steps before it made, and leaves no cell of
         its own behind; DecodeError if the first step fails. With split streams, each step
@@ -752,7 +753,7 @@ cdef class Context:
         try:
             with nogil:
                 rc = self._run(seq_ids, positions, last_tokens, budgets, n_steps, mask_data,
-                               row_masks, tokens.data.as_ints, counts.data.as_ints)
+                               row_masks, tokens.data.as_ints, counts.data.as_ints, end_at_stop)
         finally:
             self.masks_ready = NULL
             self._after_step = self._going_on = None
@@ -798,7 +799,7 @@ cdef class Context:
     cdef int32_t _run(self, const int[::1] seq_ids, const int[::1] positions,
                       const int[::1] last_tokens, const int[::1] budgets, int n_steps,
                       const uint32_t * masks, const int * row_masks,
-                      int * tokens, int * counts) noexcept nogil:
+                      int * tokens, int * counts, bint end_at_stop) noexcept nogil:
         """The run's steps. With bitmasks, each step's tokens go to after_step while the next
         step decodes (on a GPU the matchers advance meanwhile); a row it ends was already fed
         to that step, whose cell for it is removed and whose token for it is dropped. With
@@ -814,7 +815,7 @@ cdef class Context:
         cdef unsigned char * ended = <unsigned char *> calloc(n_rows, 1)  # by after_step
         cdef unsigned char * live = <unsigned char *> calloc(n_rows, 1)  # samples this step
         cdef Py_ssize_t i_out
-        cdef int n_live
+        cdef int n_live, first_live = 0
         # Not with a sliding window, which would count a held row's position (as _fill_gap's).
         cdef bint hold = (self.hold_run_shape and self.backend_sampling
                           and llama_model_n_swa(self.model.model) == 0)
@@ -831,7 +832,11 @@ cdef class Context:
                 live[r] = not ended[r] and self._continues(tokens + r * n_steps, counts[r],
                                                            budgets[r])
                 n_live += live[r]
-            if n_live == 0 or (step > 0 and self._interrupted):
+            if step == 0:
+                first_live = n_live
+            elif self._interrupted or (end_at_stop and n_live < first_live):
+                break
+            if n_live == 0:
                 break
             if not (hold and step > 0
                     and self._can_hold(n, rows, live, positions, tokens, counts, n_steps)):

@@ -379,15 +379,17 @@ class Engine:
         return new
 
     def _run_length(self, out: SchedulerOutput) -> int:
-        """How many decode steps to run in C at once: several only while nobody waits, no
-        running sequence still waits for its first token (a prompt the step left out, or one the
-        cache holds but its last token, which looks like a decode: either would wait for the
-        whole run), every chunk is a decode, and no one asked for logprobs (each new request
-        interrupts a run). Constrained rows run too: their matchers advance between the run's
-        steps (structured.RunMatchers)."""
+        """How many decode steps to run in C at once: several only while nobody waits for a
+        free slot (one who waits for a slot to free runs with the others: the run ends at the
+        step where a row stops, _decode_run), no running sequence still waits for its first
+        token (a prompt the step left out, or one the cache holds but its last token, which
+        looks like a decode: either would wait for the whole run), every chunk is a decode, and
+        no one asked for logprobs (each new request interrupts a run). Constrained rows run
+        too: their matchers advance between the run's steps (structured.RunMatchers)."""
         steps = self.decode_steps
-        if (steps <= 1 or not self._run_ahead or self._inbox or self.scheduler.waiting
-                or self.scheduler.prompts_pending):
+        scheduler = self.scheduler
+        if (steps <= 1 or not self._run_ahead or self._inbox or scheduler.prompts_pending
+                or (scheduler.waiting and not scheduler.slots_full)):
             return 1
         for chunk in out.chunks:
             p = chunk.seq.sampling
@@ -498,7 +500,8 @@ class Engine:
             tokens, counts = self.ctx.decode_run(
                 rows.seq_ids, rows.positions, rows.last_tokens, rows.budgets, n_steps,
                 mask_rows, masks.data if masks else None, masks.ready if masks else None,
-                constrained.after_step if constrained else None)
+                constrained.after_step if constrained else None,
+                end_at_stop=bool(self.scheduler.waiting))  # a stop frees a slot for them
             return tokens, counts, constrained.ends if constrained else {}
         except _core.DecodeError as exc:
             # Nobody fails here: the next step decodes one token each (a run that made no token

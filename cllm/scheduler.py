@@ -110,6 +110,12 @@ class Scheduler:
         return bool(self.waiting or self.running or self._released or self._kv_ops)
 
     @property
+    def slots_full(self) -> bool:
+        """Whether every sequence slot is taken: a waiting request starts only when a running
+        sequence ends."""
+        return len(self.running) >= self.max_seqs
+
+    @property
     def prompts_pending(self) -> bool:
         """Whether a running sequence has not had its first token yet (its prompt, or part of
         it, waits for a later step: the token budget, the stagger or held decodes left it out)."""

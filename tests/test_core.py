@@ -329,6 +329,22 @@ def test_decode_steps_of_one_shape_run_on_the_graph_of_the_step_before(ctx, mode
     assert [c - counts[0] for c in counts] == [0, 0, 1, 2, 3, 3]
 
 
+def test_a_decode_run_that_ends_at_a_stop_ends_after_the_step_where_a_row_stopped(ctx, model):
+    """Someone waits for a slot: the run ends where one frees, not when every row stopped."""
+    rows, tokens = [1, 3, 6], [model.tokenize(p) for p in PROMPTS[:3]]
+    for seq_id in rows:
+        ctx.set_sampler(seq_id, ban_eog=True)
+    first = ctx.step(ints(rows), ints([0] * 3), ints([len(t) for t in tokens]), ints([1] * 3),
+                     ints([t for row in tokens for t in row]))
+    out, counts = ctx.decode_run(ints(rows), ints([len(t) for t in tokens]), first,
+                                 ints([8, 3, 5]), 8, end_at_stop=True)
+    ends = [ctx.seq_pos_max(s) for s in rows]
+    for seq_id in rows:
+        ctx.remove_sequence(seq_id)
+    assert list(counts) == [3, 3, 3]
+    assert ends == [len(t) + 2 for t in tokens]  # each row's cells through its last token fed
+
+
 HELD_ROWS = [0, 2, 5]
 HELD_KINDS = [{"ban_eog": True}, {"temperature": 0.9, "seed": 11}, {"host_logits": True}]
 

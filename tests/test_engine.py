@@ -708,6 +708,25 @@ def test_a_dead_engine_ends_its_requests_and_refuses_new_ones(model_path):
         eng.shutdown()
 
 
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_decode_runs_go_on_while_a_request_waits_for_a_slot(model_path, alone):
+    """With every slot taken, a waiting request cannot start before a running one ends: the
+    others decode in runs meanwhile, each ending at the step where a row stops (not one step
+    a call, as while a slot is free), and the waiting request starts in the call after."""
+    eng = Engine(EngineConfig(n_ctx=2048, n_parallel=1, n_threads=2, kv_unified=False,
+                              decode_steps=8), model_path)
+    try:
+        results = asyncio.run(run_many(eng, PROMPTS[:3], 3, max_tokens=MAX_TOKENS,
+                                       temperature=0, ignore_eos=True))
+        assert [tokens for _, tokens, _ in results] == [tokens for _, tokens, _ in alone[:3]]
+        # Each request: its prompt step, then runs of 8 over its other MAX_TOKENS - 1 tokens.
+        calls_each = 1 + -(-(MAX_TOKENS - 1) // 8)
+        assert (eng.timer.steps, eng.timer.forward_steps) == (3 * calls_each, 3 * MAX_TOKENS)
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_a_stop_string_inside_a_decode_run_counts_no_token_past_it(model_path, engine):
     """Decode runs of 8 steps stop where single steps stop: the same text and token count."""
     prompt = engine.model.tokenize("Count from one to twenty: one, two, three,")
