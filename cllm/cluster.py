@@ -64,9 +64,6 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                                                                     n_threads=threads))
     apply_cpu_wait(config.engine.cpu_wait, threads)  # decided here, applied in the replicas
     parallel = config.engine.n_parallel
-    # A replica takes twice its slots: at the slots themselves, requests beyond them wait in
-    # the fronts' routers, which probe the replicas until one has room, and the probes took
-    # half the engines' time on a CPU (ARCHITECTURE.md, Scale-out).
     # A front per replica: one front for 2 or 4 GPU replicas was their ceiling (ARCHITECTURE.md).
     fronts = options["front_replicas"]
     if fronts is None:
@@ -75,6 +72,9 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                 min_replicas=options["min_replicas"],
                 max_replicas=options["max_replicas"],
                 target_ongoing_requests=options["target_ongoing_requests"] or parallel,
+                # Twice the slots: at the slots themselves, requests beyond them wait in the
+                # fronts' routers, which probe the replicas until one has room, and on a CPU
+                # the probes took half the engines' time (ARCHITECTURE.md, Scale-out).
                 max_ongoing_requests=options["max_ongoing_requests"] or 2 * parallel,
                 router=options["routing"], cpus_per_replica=1.0 if gpus else float(threads),
                 gpus_per_replica=gpus,

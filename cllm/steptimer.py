@@ -88,8 +88,7 @@ class StepTimer:
         """The counts so far, safe to read from another thread (the metrics' scrape)."""
         return {"totals": dict(self.totals), "steps": self.steps, "rows": self.rows,
                 "forward_steps": self.forward_steps, "graphs_reused": self.graphs_reused,
-                "run": dict(self.run),
-                "run_steps": self.run_steps, **self.run_rows}
+                "run": dict(self.run), "run_steps": self.run_steps, **self.run_rows}
 
     def summary(self) -> dict:
         return summarize(self.snapshot())
@@ -97,9 +96,10 @@ class StepTimer:
 
 def summarize(counts: dict) -> dict:
     """Mean milliseconds per step for each phase, the share outside decode, rows and forward
-    steps per call into the core, the share of forward steps that reused the graph before; if decode runs ran, the milliseconds a forward step of theirs
-    by part (the core's, and outside it) and the rows they carried beside the sequences' own
-    (RUN_ROWS); from a snapshot, or the difference of two."""
+    steps per call into the core, the share of forward steps that reused the graph before; if
+    decode runs ran, the milliseconds a forward step of theirs by part (the core's, and outside
+    it) and the rows they carried beside the sequences' own (RUN_ROWS); from a snapshot, or the
+    difference of two."""
     steps = max(counts["steps"], 1)
     totals = counts["totals"]
     result = {f"{phase}_ms": 1000 * total / steps for phase, total in totals.items()}
