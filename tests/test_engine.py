@@ -535,9 +535,9 @@ class FaultyContext:
         self._maybe_fail("step", args)
         return self._ctx.step(*args)
 
-    def decode_run(self, *args):
+    def decode_run(self, *args, **kwargs):
         self._maybe_fail("decode_run", args)
-        return self._ctx.decode_run(*args)
+        return self._ctx.decode_run(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._ctx, name)
@@ -597,8 +597,8 @@ class SamplesNothingOnce:
             sampled[0], self.done = -1, True
         return sampled
 
-    def decode_run(self, *args):
-        tokens, counts = self._ctx.decode_run(*args)
+    def decode_run(self, *args, **kwargs):
+        tokens, counts = self._ctx.decode_run(*args, **kwargs)
         if self.method == "decode_run" and not self.done and counts[0] > 1:
             tokens[counts[0] - 1], self.done = -1, True  # row 0's last token
         return tokens, counts

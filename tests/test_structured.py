@@ -341,10 +341,10 @@ class RunLog:
     def __init__(self, ctx):
         self._ctx, self.constrained = ctx, []
 
-    def decode_run(self, *args):
+    def decode_run(self, *args, **kwargs):
         mask_rows = args[5] if len(args) > 5 else None
         self.constrained.append(0 if mask_rows is None else sum(m >= 0 for m in mask_rows))
-        return self._ctx.decode_run(*args)
+        return self._ctx.decode_run(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._ctx, name)
