@@ -1,7 +1,8 @@
 #!/bin/bash
 # Device call 1 (carry .device/llama-src.tar.xz .device/whl): the wheels its Python lacks into
 # /root/w/site, llama.cpp's source, and one CMake tree that builds cllm (CUDA) and
-# llama-server, llama-batched-bench and llama-quantize from the same ggml (~4 min).
+# llama-server, llama-batched-bench and llama-quantize from the same ggml (~4 min; PEER=OFF
+# builds cllm alone, for runs that need no peer, such as ray_scaling.sh throughput).
 set -x
 W=/root/w; mkdir -p $W/cache/models
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -10,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target $W/site .device/whl/*.whl || exit 1
 cp .device/llama-src.tar.xz $W/ || exit 1
 export CLLM_LLAMA_SOURCE=$W/llama-src.tar.xz
-export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DCLLM_BUILD_PEER=ON"
+export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DCLLM_BUILD_PEER=${PEER:-ON}"
 export CMAKE_BUILD_PARALLEL_LEVEL=16
 start=$(date +%s)
 setsid nohup bash -c "python3 -m pip install --no-build-isolation --no-deps -v -C build-dir=$W/build . > $W/build.log 2>&1; echo \$? > $W/build.rc" > /dev/null 2>&1 &
