@@ -13,7 +13,9 @@
 #                                 PLAIN=0 leaves out the plain server; CLIENTS=K drives each
 #                                 level from K benchmark processes, each a Kth of the streams;
 #                                 CLIENTS_PER_REPLICA=1: K for each replica, as `independent`
-#                                 gives each server)
+#                                 gives each server; with K > 1 each replica's engine step
+#                                 split over the level is printed too, from /metrics scraped
+#                                 before and after it, metrics-TAG-before/after.txt)
 #   bash bench/gpu/ray_scaling.sh independent [GPUS] 1..GPUS plain servers, one per card, no
 #                                 Ray, loaded at once: the host's own scaling (PEER=1: llama-server
 #                                 of the same build instead, PEER_ARGS and PEER_MODEL; PIN=1:
@@ -143,9 +145,43 @@ load() {
           --prompt-tokens 128 --max-tokens $MAX_TOKENS "$@"
     return
   fi
+  scrape "$tag-before"
   CLIENTS_PIDS=(); start_clients "$tag" "$c" "$k" "$@"
   wait "${CLIENTS_PIDS[@]}"  # not the servers, which are background jobs too
+  scrape "$tag-after"
   aggregate "$tag"
+  replica_steps "$tag"
+}
+
+# scrape NAME: $URL's /metrics into $OUT/metrics-NAME.txt (behind a Ray front, every replica's,
+# labelled by replica), for replica_steps.
+scrape() {
+  $PY -c "import urllib.request as u, sys
+sys.stdout.write(u.urlopen('$URL/metrics', timeout=5).read().decode())" > "$OUT/metrics-$1.txt" 2>/dev/null
+}
+
+# replica_steps TAG: each replica's engine step split over the level (calls, rows and forward
+# steps a call, graph reuse, ms a call), from the scrapes before and after it.
+replica_steps() {
+  $PY - "$OUT/metrics-$1-before.txt" "$OUT/metrics-$1-after.txt" <<'EOF2'
+import re, sys
+from cllm import steptimer
+from cllm.metrics import step_timer_counts
+def by_replica(path):
+    lines = open(path).read().splitlines(True)
+    names = sorted(set(re.findall(r'replica="([^"]+)"', "".join(lines))))
+    return {n: step_timer_counts("".join(l for l in lines if l.startswith("#")
+                                         or f'replica="{n}"' in l)) for n in names}
+before, after = (by_replica(p) for p in sys.argv[1:3])
+for name, counts in after.items():
+    if counts is None or before.get(name) is None:
+        continue
+    s = steptimer.summarize(steptimer.since(counts, before[name]))
+    ms = sum(v for k, v in s.items() if k.endswith("_ms"))
+    print(f"  replica {name}: {s['steps']} calls, {s['rows_per_step']:.1f} rows and "
+          f"{s['forward_steps_per_step']:.2f} forward steps a call, graph reused "
+          f"{s['graphs_reused_share']:.2f}, {ms:.1f} ms a call")
+EOF2
 }
 
 # start_clients TAG C K ARGS...: K benchmark processes against $URL in the background, each with
