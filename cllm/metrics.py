@@ -122,14 +122,17 @@ class _EngineSteps:
             yield CounterMetricFamily(name, help_, value=counts[key])
 
 
-def step_timer_counts(exposition: str) -> dict | None:
+def step_timer_counts(exposition: str, replica: str | None = None) -> dict | None:
     """A step timer snapshot from a /metrics text, summed over replicas where a scale-out
-    front merged several (None if it has none: another server)."""
+    front merged several, or only `replica`'s (its `replica` label); None if it has none:
+    another server, or no such replica."""
     counts: dict = {key: {} for key in _LABELLED}
     labelled = {name + "_total": (key, label) for key, (name, label) in _LABELLED.items()}
     names = {name + "_total": key for key, (name, _) in ENGINE_STEP_COUNTERS.items()}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
+            if replica is not None and sample.labels.get("replica") != replica:
+                continue
             if sample.name in labelled:
                 key, label = labelled[sample.name]
                 name = sample.labels[label]

@@ -44,5 +44,14 @@ def test_a_front_that_merged_replicas_reads_as_their_sum():
     assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (5, 26, 26)
 
 
+def test_one_replica_of_a_merged_front_reads_as_its_own():
+    (one, _), (two, timer) = served(2, 4, 1), served(3, 6, 8)
+    text = merge({"r1": one.render(), "r2": two.render()}).decode()
+    counts = step_timer_counts(text, replica="r2")
+    assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (3, 18, 24)
+    assert counts["totals"]["decode"] == timer.totals["decode"]
+    assert step_timer_counts(text, replica="r3") is None
+
+
 def test_a_server_without_the_counters_has_no_counts():
     assert step_timer_counts(Metrics().render().decode()) is None

@@ -168,10 +168,9 @@ import re, sys
 from cllm import steptimer
 from cllm.metrics import step_timer_counts
 def by_replica(path):
-    lines = open(path).read().splitlines(True)
-    names = sorted(set(re.findall(r'replica="([^"]+)"', "".join(lines))))
-    return {n: step_timer_counts("".join(l for l in lines if l.startswith("#")
-                                         or f'replica="{n}"' in l)) for n in names}
+    text = open(path).read()
+    return {n: step_timer_counts(text, replica=n)
+            for n in sorted(set(re.findall(r'replica="([^"]+)"', text)))}
 before, after = (by_replica(p) for p in sys.argv[1:3])
 for name, counts in after.items():
     if counts is None or before.get(name) is None:
