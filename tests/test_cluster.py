@@ -15,7 +15,7 @@ def config(monkeypatch):
     return ServerConfig(engine=EngineConfig(n_parallel=6, n_threads=1))
 
 
-def test_a_replica_queues_as_many_requests_as_it_has_slots(config):
+def test_a_replica_takes_twice_as_many_requests_as_it_has_slots(config):
     """Beyond that they wait in the fronts' routers, which probe the replicas until one has
     room; the autoscaler aims at the slots."""
     _, plan = _layout(config, OPTIONS)
