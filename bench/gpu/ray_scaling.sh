@@ -148,6 +148,7 @@ load() {
   scrape "$tag-before"
   CLIENTS_PIDS=(); start_clients "$tag" "$c" "$k" "$@"
   wait "${CLIENTS_PIDS[@]}"  # not the servers, which are background jobs too
+  sleep 3  # behind a Ray front the replicas report every 2 s: the last report after the load
   scrape "$tag-after"
   aggregate "$tag"
   replica_steps "$tag"
@@ -161,7 +162,8 @@ sys.stdout.write(u.urlopen('$URL/metrics', timeout=5).read().decode())" > "$OUT/
 }
 
 # replica_steps TAG: each replica's engine step split over the level (calls, rows and forward
-# steps a call, graph reuse, ms a call), from the scrapes before and after it.
+# steps a call, graph reuse, ms a call, seconds in calls, tokens made), from the scrapes before
+# and after it.
 replica_steps() {
   $PY - "$OUT/metrics-$1-before.txt" "$OUT/metrics-$1-after.txt" <<'EOF2'
 import re, sys
@@ -169,17 +171,19 @@ from cllm import steptimer
 from cllm.metrics import step_timer_counts
 def by_replica(path):
     text = open(path).read()
-    return {n: step_timer_counts(text, replica=n)
+    tokens = dict(re.findall(r'cllm_generation_tokens_total\{replica="([^"]+)"\} (\S+)', text))
+    return {n: (step_timer_counts(text, replica=n), float(tokens.get(n, 0)))
             for n in sorted(set(re.findall(r'replica="([^"]+)"', text)))}
 before, after = (by_replica(p) for p in sys.argv[1:3])
-for name, counts in after.items():
-    if counts is None or before.get(name) is None:
+for name, (counts, tokens) in after.items():
+    if counts is None or before.get(name, (None,))[0] is None:
         continue
-    s = steptimer.summarize(steptimer.since(counts, before[name]))
+    s = steptimer.summarize(steptimer.since(counts, before[name][0]))
     ms = sum(v for k, v in s.items() if k.endswith("_ms"))
     print(f"  replica {name}: {s['steps']} calls, {s['rows_per_step']:.1f} rows and "
           f"{s['forward_steps_per_step']:.2f} forward steps a call, graph reused "
-          f"{s['graphs_reused_share']:.2f}, {ms:.1f} ms a call")
+          f"{s['graphs_reused_share']:.2f}, {ms:.1f} ms a call, {ms * s['steps'] / 1000:.1f} s "
+          f"in calls, {tokens - before[name][1]:.0f} tokens")
 EOF2
 }
 
