@@ -120,25 +120,6 @@ class HashRing:
         return next(r for r in order if loads.get(r, 0) + 1 <= bound)
 
 
-class ReportedLoads:
-    """Each replica's requests in flight as it stated them in the last message it relayed to
-    this process, kept until the router takes them. A router that counts only its own sends
-    and completions sees other fronts' requests late; with many streams a replica relays a
-    message every few milliseconds, so a front learns of every change of every replica's load
-    about as soon as it happens, whoever sent the request."""
-
-    def __init__(self) -> None:
-        self._latest: dict[Hashable, int] = {}
-
-    def note(self, replica: Hashable, in_flight: int) -> None:
-        self._latest[replica] = in_flight
-
-    def take(self, replica: Hashable) -> int | None:
-        """The count noted since the last take, once (the router's own sends and completions
-        count on from it), or None."""
-        return self._latest.pop(replica, None)
-
-
 def least_loaded(replicas: Iterable[Hashable], loads: Mapping[Hashable, int]) -> list[Hashable]:
     """The replicas from the least loaded to the most."""
     return sorted(replicas, key=lambda r: loads.get(r, 0))

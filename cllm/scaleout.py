@@ -38,9 +38,6 @@ log = logging.getLogger("cllm.scaleout")
 REPLICA_HEADER = "x-cllm-replica"  # which replica answered: its Ray replica id
 REPLICA_PID_HEADER = "x-cllm-replica-pid"  # and its process, as the Ray dashboard lists it
 REPORT_PERIOD = 2.0  # seconds between a replica's metrics reports to the board
-# What the replicas relayed to this process about their loads (a front's Relay notes them, its
-# handle's PrefixRouter reads them: one process, two event loops).
-REPORTED_LOADS = routing.ReportedLoads()
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +74,9 @@ class PrefixRouter(RequestRouter):
     while another has one, and queueing where the fewest wait when all are full), and to the
     least loaded if that one refuses (at max_ongoing_requests); one without a key goes to the
     least loaded. Loads are Ray's queue-length cache: each replica's own in-flight count as it
-    last stated it, in a message it relayed to this front (REPORTED_LOADS) or when it accepted
-    one of this router's requests, plus this router's sends since, minus its completions."""
+    reported it when it last accepted one of this router's requests (or a probe), plus this
+    router's sends since, minus its completions; other fronts' requests show at the next
+    report."""
 
     def initialize_state(self, load_factor: float = routing.LOAD_FACTOR,
                          capacity: int | None = None) -> None:
@@ -90,10 +88,6 @@ class PrefixRouter(RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
-        for replica_id in by_id:
-            reported = REPORTED_LOADS.take(replica_id.unique_id)
-            if reported is not None:
-                self.replica_queue_len_cache.update(replica_id, reported)
         loads = {i: self.replica_queue_len_cache.get(i) or 0 for i in by_id}
         key = pending_request.args[0] if pending_request and pending_request.args else None
         if key is None:
@@ -122,7 +116,6 @@ class Engine:
         if self.state.load_error:
             raise RuntimeError(self.state.load_error)
         self.board = board
-        self.in_flight = 0  # requests in forward(): Ray's count of this replica's, kept here
         self.reporter = asyncio.create_task(self._report())
 
     async def __del__(self) -> None:
@@ -144,13 +137,11 @@ class Engine:
             await asyncio.sleep(REPORT_PERIOD)
 
     async def forward(self, key: str | None, scope: dict, body: bytes
-                      ) -> AsyncIterator[tuple[str, int, list[dict]]]:
+                      ) -> AsyncIterator[list[dict]]:
         """Run one HTTP request through the app and yield its ASGI messages, those that
         queued while the last batch travelled together, their bodies joined into one message
-        (the front and Ray's proxy pay per message, whatever it holds), each batch with this
-        replica's name and requests in flight (for the fronts' routers: REPORTED_LOADS). `key`
-        is the router's (PrefixRouter); cancelling this (the client left) is a disconnect for
-        the app."""
+        (the front and Ray's proxy pay per message, whatever it holds). `key` is the router's
+        (PrefixRouter); cancelling this (the client left) is a disconnect for the app."""
         queue: asyncio.Queue[dict | None] = asyncio.Queue()
         gone = asyncio.Event()
         pending = [{"type": "http.request", "body": body, "more_body": False}]
@@ -171,15 +162,13 @@ class Engine:
 
         app = asyncio.create_task(self.app(scope, receive, send))
         app.add_done_callback(lambda _: queue.put_nowait(None))
-        self.in_flight += 1
         try:
             ended = False
             while not ended:
                 batch, ended = await _drain(queue)
                 if batch:
-                    yield self.name, self.in_flight, _joined(batch)
+                    yield _joined(batch)
         finally:
-            self.in_flight -= 1
             gone.set()
 
 
@@ -279,8 +268,7 @@ class Relay(Response):
     async def __call__(self, scope, receive, send) -> None:
         started = False
         try:
-            async for replica, in_flight, batch in self.messages:
-                REPORTED_LOADS.note(replica, in_flight)
+            async for batch in self.messages:
                 for message in batch:
                     started = started or message["type"] == "http.response.start"
                     if self._numbered and message["type"] == "http.response.body":

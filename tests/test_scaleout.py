@@ -2,7 +2,6 @@
 replicas of the default model (one thread each), driven over HTTP and the openai SDK."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -10,7 +9,6 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -191,32 +189,6 @@ def test_a_replica_joins_the_bodies_of_a_batch_into_one_message():
     assert batch[1]["body"] == b"data: 1\n\n"  # the app's own messages are left as they were
     assert _joined(batch[1:3]) == [{"type": "http.response.body",
                                     "body": b"data: 1\n\ndata: 2\n\n", "more_body": True}]
-
-
-def test_a_front_routes_on_the_loads_the_replicas_relay_whoever_sent_their_requests():
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
-
-    from cllm.routing import HashRing
-    from cllm.scaleout import REPORTED_LOADS, PrefixRouter
-    deployment = DeploymentID(name="Engine", app_name="cllm")
-    router = PrefixRouter(deployment, DeploymentHandleSource.UNKNOWN,
-                          use_replica_queue_len_cache=True)
-    router.initialize_state(capacity=4)
-    a, b = (ReplicaID(name, deployment) for name in ("a", "b"))
-    replicas = [SimpleNamespace(replica_id=a), SimpleNamespace(replica_id=b)]
-    key = next(k for k in map(str, range(100)) if HashRing([a, b]).order(k)[0] == a)
-    request = SimpleNamespace(args=[key])
-
-    def first_choice():
-        return asyncio.run(router.choose_replicas(replicas, request))[0][0].replica_id
-
-    for replica in (a, b):
-        router.replica_queue_len_cache.update(replica, 2)  # this front's own requests
-    assert first_choice() == a
-    REPORTED_LOADS.note("a", 4)  # another front's requests filled a's slots: a relayed it
-    assert first_choice() == b
-    router.replica_queue_len_cache.update(a, 3)  # a completion of this front's, since
-    assert first_choice() == a  # the report counted once, not over what came after
 
 
 def test_shutdown_leaves_no_ray_process(server, mark):
