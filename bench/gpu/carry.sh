@@ -1,7 +1,7 @@
 #!/bin/bash
 # Staging folders that no longer fit beside the working tree, in chunks: a device call carries
-# 64 MiB with the tree, which is ~37 MiB since bench/results grew, so the model's 32 MiB parts
-# (.device/m1-m3) and Ray's 38 MiB halves (.device/ray/r1-r3) go as 26 MiB chunks instead.
+# 64 MiB with the tree, which is ~41 MiB since bench/results grew, so the model's 32 MiB parts
+# (.device/m1-m3) and Ray's 38 MiB halves (.device/ray/r1-r3) go as 21 MiB chunks instead.
 #
 #   bash bench/gpu/carry.sh split [FOLDER...]  here: tar the folders (default: .device/m1 m2 m3
 #                                             and .device/ray) into .device/k0, k1, ... one
@@ -13,7 +13,7 @@
 #                                             (ray_scaling.sh stage, install) if it came
 set -u
 W=${W:-/root/w}
-CHUNK=${CHUNK:-26M}
+CHUNK=${CHUNK:-21M}
 REPO=$PWD
 case ${1:?split or take} in
 split)
