@@ -113,6 +113,35 @@ def test_greedy_alone_equals_greedy_among_fifteen_others(ctx, model):
     assert "Paris" in model.detokenize(alone)
 
 
+def decode_logprobs_of_last(ctx, model, prompts, seq_ids):
+    """The top-5 logprobs of the last prompt's first decode row, computed in one step with the
+    other prompts' decode rows (after one prefill step of them all); removes the sequences."""
+    prompt_tokens = [model.tokenize(p) for p in prompts]
+    n = len(prompts)
+    for seq_id in seq_ids:
+        ctx.set_sampler(seq_id)
+    first = ctx.step(ints(seq_ids), ints([0] * n), ints([len(t) for t in prompt_tokens]),
+                     ints([1] * n), ints([t for tokens in prompt_tokens for t in tokens]))
+    _, lp = ctx.step(ints(seq_ids), ints([len(t) for t in prompt_tokens]), ints([1] * n),
+                     ints([1] * n), first, ints([-1] * (n - 1) + [5]))
+    for seq_id in seq_ids:
+        ctx.remove_sequence(seq_id)
+    return lp.row(n - 1)
+
+
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_a_decode_row_alone_and_among_fifteen_others_has_the_same_logprobs(ctx, model):
+    """Bit for bit, not only the same argmax: a row alone goes through ggml's one-row dot
+    products, among others through the tiled matrix products (vendor/patches/ggml-cpu-q4_1-
+    tiles.patch for the default model's Q4_1 weights), which must sum in the same order."""
+    target = "The capital of France is"
+    alone = decode_logprobs_of_last(ctx, model, [target], [0])
+    others = [f"Story number {i}: the" for i in range(15)]
+    crowded = decode_logprobs_of_last(ctx, model, others + [target], list(range(16)))
+    assert crowded == alone
+    assert len(alone[1]) == 5
+
+
 def test_removed_ids_are_reused_with_clean_state(ctx, model):
     first = generate_together(ctx, model, ["Once upon a time"], 8, seq_ids=[7])[0]
     generate_together(ctx, model, ["Water boils at"], 8, seq_ids=[7])
