@@ -1,5 +1,6 @@
 """What the parts of a CPU step cost beside a long shared prefix: decode rows, a short question,
-both in one step (and what prefilling the document cost). Through the core alone, split streams as on a CPU build.
+both in one step, and what prefilling the document cost. Through the core alone, split streams
+as on a CPU build.
 
 8 streams hold the same document (computed once, shared into the others); each case starts
 from there, so every row attends over the document's cells.

@@ -132,8 +132,8 @@ def decode_logprobs_of_last(ctx, model, prompts, seq_ids):
 @ON_GPU_NOT_BATCH_INVARIANT
 def test_a_decode_row_alone_and_among_fifteen_others_has_the_same_logprobs(ctx, model):
     """Bit for bit, not only the same argmax: a row alone goes through ggml's one-row dot
-    products, among others through the tiled matrix products (vendor/patches/ggml-cpu-q4_1-
-    tiles.patch for the default model's Q4_1 weights), which must sum in the same order."""
+    products, among others through the tiled matrix products (for the default model's Q4_1
+    weights, vendor/patches/ggml-cpu-q4_1-tiles.patch), which must sum in the same order."""
     target = "The capital of France is"
     alone = decode_logprobs_of_last(ctx, model, [target], [0])
     others = [f"Story number {i}: the" for i in range(15)]
