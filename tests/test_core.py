@@ -30,18 +30,24 @@ def ctx(model):
     return _core.Context(model, n_ctx=16 * 512, n_seq_max=16, n_batch=512, kv_unified=False)
 
 
-def generate_together(ctx, model, prompts, n_tokens, seq_ids=None, **sampling):
-    """Continuations of all prompts decoded in shared batches (greedy unless `sampling` says
-    otherwise); removes the sequences."""
-    seq_ids = seq_ids or list(range(len(prompts)))
+def prefill_together(ctx, model, prompts, seq_ids, **sampling):
+    """All prompts in one step (greedy unless `sampling` says otherwise): (each one's first
+    token, the position of its next one)."""
     prompt_tokens = [model.tokenize(p) for p in prompts]
     for seq_id in seq_ids:
         ctx.set_sampler(seq_id, **sampling)
     flat = [t for tokens in prompt_tokens for t in tokens]
-    last = ctx.step(ints(seq_ids), ints([0] * len(prompts)), ints([len(t) for t in prompt_tokens]),
-                    ints([1] * len(prompts)), ints(flat))
+    first = ctx.step(ints(seq_ids), ints([0] * len(prompts)), ints([len(t) for t in prompt_tokens]),
+                     ints([1] * len(prompts)), ints(flat))
+    return first, [len(t) for t in prompt_tokens]
+
+
+def generate_together(ctx, model, prompts, n_tokens, seq_ids=None, **sampling):
+    """Continuations of all prompts decoded in shared batches (greedy unless `sampling` says
+    otherwise); removes the sequences."""
+    seq_ids = seq_ids or list(range(len(prompts)))
+    last, positions = prefill_together(ctx, model, prompts, seq_ids, **sampling)
     outputs = [[t] for t in last]
-    positions = [len(t) for t in prompt_tokens]
     for _ in range(n_tokens - 1):
         last = ctx.step(ints(seq_ids), ints(positions), ints([1] * len(prompts)),
                         ints([1] * len(prompts)), last)
@@ -116,14 +122,10 @@ def test_greedy_alone_equals_greedy_among_fifteen_others(ctx, model):
 def decode_logprobs_of_last(ctx, model, prompts, seq_ids):
     """The top-5 logprobs of the last prompt's first decode row, computed in one step with the
     other prompts' decode rows (after one prefill step of them all); removes the sequences."""
-    prompt_tokens = [model.tokenize(p) for p in prompts]
     n = len(prompts)
-    for seq_id in seq_ids:
-        ctx.set_sampler(seq_id)
-    first = ctx.step(ints(seq_ids), ints([0] * n), ints([len(t) for t in prompt_tokens]),
-                     ints([1] * n), ints([t for tokens in prompt_tokens for t in tokens]))
-    _, lp = ctx.step(ints(seq_ids), ints([len(t) for t in prompt_tokens]), ints([1] * n),
-                     ints([1] * n), first, ints([-1] * (n - 1) + [5]))
+    first, positions = prefill_together(ctx, model, prompts, seq_ids)
+    _, lp = ctx.step(ints(seq_ids), ints(positions), ints([1] * n), ints([1] * n), first,
+                     ints([-1] * (n - 1) + [5]))
     for seq_id in seq_ids:
         ctx.remove_sequence(seq_id)
     return lp.row(n - 1)

@@ -148,7 +148,8 @@ load() {
   scrape "$tag-before"
   CLIENTS_PIDS=(); start_clients "$tag" "$c" "$k" "$@"
   wait "${CLIENTS_PIDS[@]}"  # not the servers, which are background jobs too
-  sleep 3  # behind a Ray front the replicas report every 2 s: the last report after the load
+  # Behind a Ray front the replicas report every REPORT_PERIOD: wait for one after the load.
+  sleep "$($PY -c 'from cllm.scaleout import REPORT_PERIOD; print(REPORT_PERIOD + 1)')"
   scrape "$tag-after"
   aggregate "$tag"
   replica_steps "$tag"
@@ -166,14 +167,18 @@ sys.stdout.write(u.urlopen('$URL/metrics', timeout=5).read().decode())" > "$OUT/
 # and after it.
 replica_steps() {
   $PY - "$OUT/metrics-$1-before.txt" "$OUT/metrics-$1-after.txt" <<'EOF2'
-import re, sys
+import sys
+from prometheus_client.parser import text_string_to_metric_families
 from cllm import steptimer
 from cllm.metrics import step_timer_counts
 def by_replica(path):
     text = open(path).read()
-    tokens = dict(re.findall(r'cllm_generation_tokens_total\{replica="([^"]+)"\} (\S+)', text))
-    return {n: (step_timer_counts(text, replica=n), float(tokens.get(n, 0)))
-            for n in sorted(set(re.findall(r'replica="([^"]+)"', text)))}
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples
+               if "replica" in s.labels]
+    tokens = {s.labels["replica"]: s.value for s in samples
+              if s.name == "cllm_generation_tokens_total"}
+    return {n: (step_timer_counts(text, replica=n), tokens.get(n, 0.0))
+            for n in sorted({s.labels["replica"] for s in samples})}
 before, after = (by_replica(p) for p in sys.argv[1:3])
 for name, (counts, tokens) in after.items():
     if counts is None or before.get(name, (None,))[0] is None:
