@@ -1,9 +1,9 @@
 // The attention kernels of vendor/patches/ggml-cpu-flash-attn-blocks.patch alone, one thread:
 // ROWS query rows of each of HQ heads (HKV K/V heads) over N_KV cells of head size D, 30 times
 // (a model's layers), as one step's attention; rows in the order ggml gives them (a head's
-// rows, then the next head's). kernel_bench.sh extracts the kernels from a revision of the patch and builds
-// this against the pinned llama.cpp's headers; ROW_KERNEL selects the one-row API of the
-// patch before 027e384.
+// rows, then the next head's). kernel_bench.sh extracts the kernels from a revision of the
+// patch and builds this against the pinned llama.cpp's headers; ROW_KERNEL selects the
+// one-row API of the patch before 027e384.
 #include "vec.h"
 #include <algorithm>
 #include <chrono>
@@ -18,8 +18,7 @@ extern "C" void ggml_abort(const char * file, int line, const char * fmt, ...) {
     fprintf(stderr, "%s:%d: %s\n", file, line, fmt);
     abort();
 }
-extern "C" float ggml_table_f32_f16[1 << 16];
-float ggml_table_f32_f16[1 << 16];
+float ggml_table_f32_f16[1 << 16];  // declared extern "C" by simd-mappings.h
 
 int main(int argc, char ** argv) {
     if (argc != 6) {
@@ -47,8 +46,9 @@ int main(int argc, char ** argv) {
     }
     std::vector<float> out((size_t) ROWS*HQ*D);
     const float scale = 1.0f/sqrtf((float) D);
+    auto kv_of = [&](int h) { return h/(HQ/HKV); };  // head h's K/V head
     auto kv_head = [&](const std::vector<ggml_fp16_t> & x, int h) {  // head h's K or V, cell 0
-        return (const char *) x.data() + (size_t) (h/(HQ/HKV))*D*sizeof(ggml_fp16_t);
+        return (const char *) x.data() + (size_t) kv_of(h)*D*sizeof(ggml_fp16_t);
     };
     double best = 1e30;
     for (int rep = 0; rep < 30; ++rep) {  // the best of 30: the machine is noisy
@@ -68,7 +68,7 @@ int main(int argc, char ** argv) {
                 cllm_fa_rows rows;
                 rows.count = 0;
                 const int first_head = ir / ROWS;
-                while (ir < ROWS*HQ && rows.count < cllm_fa_group_size(D) && kv_head(K, ir / ROWS) == kv_head(K, first_head)) {
+                while (ir < ROWS*HQ && rows.count < cllm_fa_group_size(D) && kv_of(ir / ROWS) == kv_of(first_head)) {
                     const int r = ir % ROWS, h = ir / ROWS, g = rows.count++;
                     rows.q[g] = &Q[((size_t) r*HQ + h)*D];
                     rows.mp[g] = &mask[(size_t) r*N_KV];

@@ -9,6 +9,7 @@ SRC=${CLLM_LLAMA_TREE:-$HOME/.cache/cllm/llama.cpp-0c1e57098}
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(git -C "$HERE" rev-parse --show-toplevel)
 WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
 # The kernels: the patch's added lines from its AVX2 guard to CLLM_FA_BLOCKED.
 git -C "$REPO" show "$REV:vendor/patches/ggml-cpu-flash-attn-blocks.patch" \
     | sed -n 's/^+//p' | sed -n '/^#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)/,/^#define CLLM_FA_BLOCKED 1/p' \
@@ -20,4 +21,3 @@ g++ -O3 -std=c++17 $FLAGS -I"$WORK" -I"$SRC/ggml/include" -I"$SRC/ggml/src" -I"$
 for shape in "64 9 3 12" "64 9 3 1" "80 8 2 12" "96 8 2 12" "128 8 2 12" "256 4 1 12" "256 4 1 1"; do
     "$WORK/kernel_bench" $shape 1446
 done
-rm -rf "$WORK"
