@@ -114,6 +114,10 @@ class EngineConfig:
     flash_attn: str = "auto"
     max_queue: int = 1024
     decode_steps: int = 0  # decode steps per call into C while only decodes run; 0: auto
+    # After a step that ended requests, wait up to this share of a step's time for new ones (a
+    # client's next request), while recent ends were followed by one that soon. None: 0.5 on a
+    # CPU, 0 on a GPU (cllm/successor_wait.py).
+    successor_wait: float | None = None
     request_timeout: float = 600.0  # seconds from arrival to the last token
 
     def __post_init__(self) -> None:
@@ -131,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"stream_gap_fill must not be negative, got {self.stream_gap_fill}")
         if self.request_timeout <= 0:
             raise ValueError("request_timeout must be positive")
+        if self.successor_wait is not None:
+            _check_range("successor_wait", self.successor_wait, 0.0, 1.0)
         if self.cpu_wait not in CPU_WAIT_MODES:
             raise ValueError(f"cpu_wait must be one of {', '.join(CPU_WAIT_MODES)}, "
                              f"got {self.cpu_wait!r}")

@@ -24,6 +24,7 @@ from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_S
 from cllm.batch import RunRows, StepRows
 from cllm.pending import PendingTokens
 from cllm.steptimer import StepTimer
+from cllm.successor_wait import SuccessorWait
 from cllm.textstream import TextStream
 
 log = logging.getLogger("cllm.engine")
@@ -185,6 +186,9 @@ class Engine:
         # share of a step is large; one on a CPU, where runs of 8 lost 9-14% at 32 streams and
         # were no sure gain at one (ARCHITECTURE.md, "Decode runs stay on the GPU").
         self.decode_steps = config.decode_steps or (8 if gpu else 1)
+        self._successors = SuccessorWait(default_successor_wait()
+                                         if config.successor_wait is None
+                                         else config.successor_wait)
         self._run_ahead = True
         self._live: dict[Sequence, _Live] = {}
         self._inbox: deque = deque()
@@ -250,7 +254,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + sum(1 for m in list(self._inbox) if m[0] == "add")
+        return len(self.scheduler.waiting) + self._inbox_adds()
 
     @property
     def kv_usage(self) -> float:
@@ -262,6 +266,9 @@ class Engine:
     def cached_cells(self) -> int:
         """KV cells that hold cached prefixes no running sequence uses."""
         return self.scheduler.cache.cached_cells
+
+    def _inbox_adds(self) -> int:
+        return sum(1 for m in list(self._inbox) if m[0] == "add")
 
     def _post(self, message) -> None:
         with self._inbox_lock:
@@ -298,6 +305,7 @@ class Engine:
             self._finish_all(FINISH_SHUTDOWN, "the server is shutting down")
 
     def _drain_inbox(self) -> None:
+        looked = time.monotonic()  # what was posted before this is taken now
         with _Outbox() as outbox:
             while self._inbox:
                 kind, item = self._inbox.popleft()
@@ -306,9 +314,11 @@ class Engine:
                 elif item in self._live:
                     self._end(item, FINISH_ABORT, None, outbox)
             self._free_released()
+        self._successors.settle(looked)
 
     def _admit(self, stream: RequestStream, outbox: _Outbox) -> None:
         seq = stream.seq
+        self._successors.arrived(seq.arrival_time)
         try:
             self.scheduler.add(seq)
         except (QueueFullError, ValueError) as exc:
@@ -329,7 +339,8 @@ class Engine:
         """One step of the loop: plan, decode, account; what it gives each request goes into
         `outbox`."""
         timer = self.timer
-        now = time.monotonic()
+        now = started = time.monotonic()
+        live = len(self._live)
         out = self.scheduler.schedule(now)
         for seq in out.expired:
             self._send_final(seq, outbox)
@@ -370,7 +381,30 @@ class Engine:
         timer.lap("postprocess")
         outbox.deliver()
         timer.lap("handoff")
+        self._await_successors(started, live - len(self._live))
+        timer.lap("successors")
         timer.end(len(out.chunks), forward_steps, self._graphs_reused_since())
+
+    def _await_successors(self, started: float, ended: int) -> None:
+        """After a step that ended requests, wait until as many new ones have arrived, or the
+        SuccessorWait's bound has passed, so that a client's next request starts in the next
+        step rather than the one after (cllm/successor_wait.py)."""
+        now = time.monotonic()
+        self._successors.step_done(now - started, ended, now)
+        seconds = self._successors.seconds(ended)
+        # A request waiting for a slot takes the freed one; with nothing running, the thread
+        # waits for the inbox anyway.
+        if not seconds or self.scheduler.waiting or not self.scheduler.running:
+            return
+        deadline = now + seconds
+        while self._inbox_adds() < ended and not self._stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()  # then look again: a request posted before the clear set it
+            if self._inbox_adds() >= ended:
+                return
+            self._wake.wait(left)
 
     def _graphs_reused_since(self) -> int:
         """The steps llama.cpp ran on the graph of the step before since the last call."""
@@ -670,6 +704,14 @@ def default_stream_gap_fill() -> int:
     is asked: on a GPU an extra forward pass costs about as much as ~50 rows (ARCHITECTURE.md,
     "Scattered split streams"); on a CPU a row costs more than a pass."""
     return 64 if _core.supports_gpu_offload() else 0
+
+
+def default_successor_wait() -> float:
+    """The longest wait for a finished request's successor, as a share of a step's time, when
+    none is asked: half a step on a CPU; none on a GPU, where a step takes a few milliseconds,
+    less than a successor needs to come over HTTP (ARCHITECTURE.md, "Waiting for the next
+    request")."""
+    return 0.0 if _core.supports_gpu_offload() else 0.5
 
 
 def _mask_threads() -> int:

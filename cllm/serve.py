@@ -77,6 +77,10 @@ OPTIONS = {
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
     "decode_steps": (int, _ENGINE.decode_steps,
                      "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
+    "successor_wait": (float, _ENGINE.successor_wait,
+                       "after a step that ended requests, wait up to this share of a step's time "
+                       "for new ones (a client's next request), while recent ends were followed by "
+                       "one that soon (0 to 1; default: 0.5 on a CPU, 0 on a GPU)"),
     "stream_interval": (int, _SERVER.stream_interval,
                         "tokens a streamed event carries at most: the first token at once, then "
                         "this many at a time"),
@@ -156,7 +160,7 @@ def build_config(options: dict) -> ServerConfig:
         cache_prompts=options["cache_prompts"],
         n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
-        decode_steps=options["decode_steps"],
+        decode_steps=options["decode_steps"], successor_wait=options["successor_wait"],
         request_timeout=options["request_timeout"])
     return ServerConfig(host=options["host"], port=options["port"], api_key=_api_key(options),
                         served_model_name=options["served_model_name"],

@@ -8,9 +8,10 @@ import pytest
 from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import (Engine, EngineStoppedError, PromptTooLongError, default_backend_sampling,
-                         default_stream_gap_fill)
+                         default_stream_gap_fill, default_successor_wait)
 from cllm.prefix_cache import common_packed_prefix, pack
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from cllm.successor_wait import HISTORY
 from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
 MAX_TOKENS = 12
@@ -320,6 +321,13 @@ def test_the_graph_samples_by_default_on_a_gpu_only(monkeypatch):
     assert default_backend_sampling()
     monkeypatch.setattr(_core, "supports_gpu_offload", lambda: False)
     assert not default_backend_sampling()
+
+
+def test_the_engine_waits_for_successors_by_default_on_a_cpu_only(monkeypatch):
+    monkeypatch.setattr(_core, "supports_gpu_offload", lambda: True)
+    assert default_successor_wait() == 0
+    monkeypatch.setattr(_core, "supports_gpu_offload", lambda: False)
+    assert default_successor_wait() == 0.5
 
 
 def test_split_streams_gaps_are_filled_by_default_on_a_gpu_only(monkeypatch):
@@ -772,3 +780,61 @@ def test_a_preempted_seeded_request_samples_what_it_would_have_alone(model_path,
         assert_idle(eng)
     finally:
         eng.shutdown()
+
+
+def test_a_request_sent_as_another_ends_starts_in_the_next_step(model_path):
+    """A client that sends its next request as soon as its last one ends: once a few ends have
+    shown that, the engine waits for the successor after each end (successor_wait), so it
+    starts in the very next step instead of after a decode step of the others. Each short
+    request here is a prompt step and a decode step; between the steps that end two of them,
+    the long request beside them decodes once (in the second's decode step), not twice."""
+    eng = Engine(EngineConfig(n_ctx=4 * 512, n_parallel=4, n_threads=2, kv_unified=False,
+                              successor_wait=0.5), model_path)
+    try:
+        decoded_at_ends = asyncio.run(_chain_beside_a_long_request(eng, PROMPTS[:16]))
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+    gaps = [b - a for a, b in zip(decoded_at_ends, decoded_at_ends[1:])]
+    settled = gaps[HISTORY:]  # the first ends show the engine that successors come at once
+    assert sum(gap == 1 for gap in settled) >= 0.75 * len(settled), gaps
+
+
+CLIENT_TURNAROUND = 0.001  # seconds from a request's end to its successor's arrival: over HTTP
+# several; in this process without it, the successor would be in the inbox before the engine
+# thread looks, wait or not.
+
+
+async def _chain_beside_a_long_request(eng, prompts):
+    """Send `prompts` one after another (two greedy tokens each), each CLIENT_TURNAROUND after
+    the one before ends, beside one long request; return how many tokens the long one had been handed when each
+    ended (counted once its end's step has been handed over whole)."""
+    loop = asyncio.get_running_loop()
+    long = eng.submit(eng.model.tokenize("Count: one, two,"),
+                      SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+    decoded, marks, done = [0], [], loop.create_future()
+
+    def count():
+        decoded[0] += sum(len(delta.token_ids) for delta in long.ready())
+        marks.append(decoded[0])
+
+    def send(i):
+        if i == len(prompts):
+            long.abort()
+            done.set_result(None)
+            return
+        def on_end(final):
+            assert final.completion_tokens == 2
+            loop.call_soon(count)
+            loop.call_later(CLIENT_TURNAROUND, send, i + 1)
+        eng.submit(eng.model.tokenize(prompts[i]), SamplingParams(max_tokens=2, temperature=0,
+                                                                   ignore_eos=True), on_end=on_end)
+
+    async for delta in long:  # its first token: it decodes from here on
+        decoded[0] += len(delta.token_ids)
+        break
+    send(0)
+    await done
+    async for _ in long:  # its end, after the abort
+        pass
+    return marks

@@ -28,6 +28,11 @@ def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):
     assert serve.build_config(flagged).engine.decode_steps == 2
 
 
+def test_successor_wait_reaches_the_engine_config_and_defaults_by_device():
+    assert serve.build_config(serve.parse_args(["--successor-wait", "0"])).engine.successor_wait == 0
+    assert serve.build_config(serve.parse_args([])).engine.successor_wait is None  # auto
+
+
 def test_retention_rules_reach_the_engine_config():
     engine = serve.build_config(serve.parse_args(["--cache-prompts", "drop",
                                                   "--cache-replies", "keep"])).engine
@@ -44,6 +49,7 @@ def test_retention_rules_reach_the_engine_config():
     (["--cache-replies", "always"], "cache_replies must be one of auto, keep, drop"),
     (["--cache-prompts", "never"], "cache_prompts must be one of auto, keep, drop"),
     (["--stream-gap-fill", "-1"], "stream_gap_fill must not be negative"),
+    (["--successor-wait", "1.5"], "successor_wait must be between 0.0 and 1.0"),
 ])
 def test_bad_values_exit_2_with_the_reason(argv, reason, capsys):
     assert serve.main(argv) == 2

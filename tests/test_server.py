@@ -971,7 +971,7 @@ def test_metrics_say_where_the_engine_threads_time_went(http):
     # the prompt's step, then four decode steps: a call each, or fewer calls of decode runs
     assert steps["steps"] * steps["forward_steps_per_step"] >= 5
     assert steps["forward_steps_per_step"] >= 1 and steps["rows_per_step"] >= 1
-    phases = {"inbox", "schedule", "prepare", "decode", "postprocess", "handoff"}
+    phases = {"inbox", "schedule", "prepare", "decode", "postprocess", "handoff", "successors"}
     assert {key for key in steps if key.endswith("_ms")} == {f"{p}_ms" for p in phases}
     assert steps["decode_ms"] > 0
 
