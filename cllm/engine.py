@@ -397,12 +397,10 @@ class Engine:
         if not seconds or self.scheduler.waiting or not self.scheduler.running:
             return
         deadline = now + seconds
-        while self._inbox_adds() < ended and not self._stopping:
+        while not self._stopping:
+            self._wake.clear()  # before the look: a request posted after it sets it again
             left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._wake.clear()  # then look again: a request posted before the clear set it
-            if self._inbox_adds() >= ended:
+            if self._inbox_adds() >= ended or left <= 0:
                 return
             self._wake.wait(left)
 
