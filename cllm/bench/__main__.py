@@ -16,12 +16,11 @@ from urllib.parse import urlsplit
 import httpx
 
 from cllm import steptimer
-from cllm.metrics import step_timer_counts
 from cllm.models import DEFAULT_ALIAS, resolve_model
 
 from . import prompts, report
 from .cli import load_settings, parse_args, server_settings
-from .direct import EngineTarget
+from .direct import EngineTarget, load_llama_as_the_server
 from .loadgen import (Connections, HttpTarget, Level, ReplyLengths, Sender, first_model,
                       run_level)
 from .peer import build, start_peer
@@ -42,6 +41,8 @@ class Target:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.engine_direct:  # before the default KV layout loads llama.cpp (direct.py says why)
+        load_llama_as_the_server(args.threads, tuple(args.cllm_args))
     data = report.new_report(_settings(args), args.tag)
     try:
         with ExitStack() as stack:
@@ -177,6 +178,9 @@ async def _engine_step_counts(connections: Connections, url: str) -> dict | None
             resp = await client.get(url.rstrip("/") + "/metrics")
     except httpx.HTTPError:
         return None
+    # Imported here: cllm.metrics imports the engine, which loads llama.cpp, and the
+    # engine-direct target must be the first to load it (EngineTarget says why).
+    from cllm.metrics import step_timer_counts
     return step_timer_counts(resp.text) if resp.status_code == 200 else None
 
 

@@ -4,13 +4,14 @@ The gap between it and the "cllm" series is what the HTTP layer costs. Prompts g
 chat template), as with the completions endpoint."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 
 from cllm.sequence import FINISH_LENGTH, FINISH_STOP
 
 from .loadgen import LoadSettings, RequestResult, Sized, check_tokens
-from .servers import ServerSettings, cllm_flags
+from .servers import ServerSettings, cllm_flags, say
 
 
 def _failed_finish(reason: str) -> str | None:
@@ -18,22 +19,44 @@ def _failed_finish(reason: str) -> str | None:
     return None if reason in (FINISH_STOP, FINISH_LENGTH) else f"finished with reason {reason!r}"
 
 
+_llama_loaded_here = False  # by load_llama_as_the_server, under the server's wait policy
+
+
+def load_llama_as_the_server(threads: int, cllm_args: tuple[str, ...] = ()) -> None:
+    """Load llama.cpp into this process under the wait policy `cllm.serve --threads THREADS
+    CLLM_ARGS` gives its threads at barriers: OpenMP reads it once, when llama.cpp loads, and
+    the engine-direct series must wait as the server does, or the two series differ by more
+    than the HTTP path. Call it before anything else loads llama.cpp (the benchmark's default
+    KV layout asks it whether there is a GPU)."""
+    global _llama_loaded_here
+    if _llama_loaded_here:
+        return
+    if "cllm._core" in sys.modules:
+        say("engine-direct: llama.cpp was loaded before its threads' wait policy could be set; "
+            "this series may wait at barriers unlike the server")
+        return
+    from cllm.config import cpu_wait_while_loading
+    from cllm.serve import parse_args
+    options = parse_args(["--threads", str(threads), *cllm_args])
+    try:
+        with cpu_wait_while_loading(options["cpu_wait"], options["threads"]):
+            from cllm import _core  # noqa: F401
+    except ImportError as e:  # the compiled core is missing: a source checkout, not built
+        raise SystemExit(f"--engine-direct needs cllm built (pip install .): {e}") from e
+    _llama_loaded_here = True
+
+
 class EngineTarget:
     """Sends prompts to an Engine running in this process; never raises from send()."""
 
     def __init__(self, model_path: str, s: ServerSettings, load: LoadSettings) -> None:
-        from cllm.config import SamplingParams, cpu_wait_while_loading
+        from cllm.config import SamplingParams
         from cllm.serve import build_config, parse_args
         # The started server's options, --cllm-args included (decode steps, stream interval):
         server = build_config(parse_args(cllm_flags(model_path, s)))
         config = server.engine
-        # llama.cpp's threads wait at barriers as `cllm.serve` would make them: else the two
-        # series would differ by their wait policies as well as by the HTTP path.
-        try:
-            with cpu_wait_while_loading(config.cpu_wait, config.n_threads):
-                from cllm.engine import Engine
-        except ImportError as e:  # the compiled core is missing: a source checkout, not built
-            raise SystemExit(f"--engine-direct needs cllm built (pip install .): {e}") from e
+        load_llama_as_the_server(s.threads, s.cllm_args)
+        from cllm.engine import Engine
         self.engine = Engine(config, model_path)
         self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
                                        ignore_eos=load.ignore_eos)

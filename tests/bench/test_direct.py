@@ -1,6 +1,10 @@
 """The engine-direct target (cllm/bench/direct.py) with the real model: it honours the
 benchmark's cache_prompt as the HTTP targets' servers do, and reports cached prompt tokens."""
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -52,3 +56,31 @@ def test_cllm_args_reach_the_engine_and_its_streams(model_path):
     assert result.ok, result.error
     assert result.output_tokens == 9
     assert len(result.itl) == 2  # three deltas carried the tokens
+
+
+def test_the_benchmark_loads_llama_cpp_first_under_the_servers_wait_policy():
+    """OpenMP reads its wait policy once, when llama.cpp loads. The benchmark's own imports
+    leave it unloaded, and load_llama_as_the_server loads it under the policy the started
+    server would get (`--cpu-wait sleep` here: OMP_WAIT_POLICY=PASSIVE whatever the cores),
+    restoring the environment after; the default KV layout, asked next, finds it loaded.
+    Before, importing the benchmark loaded llama.cpp, and the engine-direct series spun at
+    barriers while the server slept."""
+    code = textwrap.dedent("""
+        import importlib.abc, os, sys
+        seen = []
+        class Watch(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "cllm._core":
+                    seen.append(os.environ.get("OMP_WAIT_POLICY"))
+        sys.meta_path.insert(0, Watch())
+        from cllm.bench.__main__ import load_llama_as_the_server
+        from cllm.bench.cli import parse_args, server_settings
+        print("cllm._core" in sys.modules)
+        load_llama_as_the_server(1, ("--cpu-wait", "sleep"))
+        server_settings(parse_args(["--engine-direct"]))
+        print(seen, os.environ.get("OMP_WAIT_POLICY"))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True, timeout=120)
+    assert out.stdout.splitlines() == ["False", "['PASSIVE'] None"], out.stderr
