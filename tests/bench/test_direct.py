@@ -1,5 +1,6 @@
 """The engine-direct target (cllm/bench/direct.py) with the real model: it honours the
-benchmark's cache_prompt as the HTTP targets' servers do, and reports cached prompt tokens."""
+benchmark's cache_prompt as the HTTP targets' servers do, and reports cached prompt tokens;
+and the benchmark loads llama.cpp under the server's wait policy."""
 import asyncio
 import os
 import subprocess
