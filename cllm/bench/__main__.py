@@ -178,8 +178,8 @@ async def _engine_step_counts(connections: Connections, url: str) -> dict | None
             resp = await client.get(url.rstrip("/") + "/metrics")
     except httpx.HTTPError:
         return None
-    # Imported here: cllm.metrics imports the engine, which loads llama.cpp, and the
-    # engine-direct target must be the first to load it (load_llama_as_the_server says why).
+    # Imported here: cllm.metrics imports the engine, which loads llama.cpp, and main() loads
+    # it first for the engine-direct target (load_llama_as_the_server says why).
     from cllm.metrics import step_timer_counts
     return step_timer_counts(resp.text) if resp.status_code == 200 else None
 

@@ -19,18 +19,12 @@ def _failed_finish(reason: str) -> str | None:
     return None if reason in (FINISH_STOP, FINISH_LENGTH) else f"finished with reason {reason!r}"
 
 
-_llama_loaded_here = False  # by load_llama_as_the_server, under the server's wait policy
-
-
 def load_llama_as_the_server(threads: int, cllm_args: tuple[str, ...] = ()) -> None:
     """Load llama.cpp into this process under the wait policy `cllm.serve --threads THREADS
     CLLM_ARGS` gives its threads at barriers: OpenMP reads it once, when llama.cpp loads, and
     the engine-direct series must wait as the server does, or the two series differ by more
-    than the HTTP path. Call it before anything else loads llama.cpp (the benchmark's default
-    KV layout asks it whether there is a GPU)."""
-    global _llama_loaded_here
-    if _llama_loaded_here:
-        return
+    than the HTTP path. The benchmark's `main` calls it before anything else loads llama.cpp
+    (its default KV layout asks it whether there is a GPU)."""
     if "cllm._core" in sys.modules:
         say("engine-direct: llama.cpp was loaded before its threads' wait policy could be set; "
             "this series may wait at barriers unlike the server")
@@ -43,7 +37,6 @@ def load_llama_as_the_server(threads: int, cllm_args: tuple[str, ...] = ()) -> N
             from cllm import _core  # noqa: F401
     except ImportError as e:  # the compiled core is missing: a source checkout, not built
         raise SystemExit(f"--engine-direct needs cllm built (pip install .): {e}") from e
-    _llama_loaded_here = True
 
 
 class EngineTarget:
@@ -55,8 +48,7 @@ class EngineTarget:
         # The started server's options, --cllm-args included (decode steps, stream interval):
         server = build_config(parse_args(cllm_flags(model_path, s)))
         config = server.engine
-        load_llama_as_the_server(s.threads, s.cllm_args)
-        from cllm.engine import Engine
+        from cllm.engine import Engine  # loaded by now as the server would load it (main)
         self.engine = Engine(config, model_path)
         self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
                                        ignore_eos=load.ignore_eos)
