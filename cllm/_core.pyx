@@ -325,18 +325,11 @@ cdef class Context:
     # Whether greedy rows sampled in the graph with a bitmask take the device's masked choice;
     # where it fails it is turned off and the host masks them, reading their logits back.
     cdef public bint device_masks
-    # Split streams: a decode run's step fills a gap of up to this many idle streams between
-    # its rows with a placeholder row each (see _fill_gap); 0: never.
-    cdef readonly int max_stream_gap
     # A decode run keeps the rows that stop in its batch until it ends (their tokens dropped,
     # their cells removed after each step), so every step of the run has the same shape and
     # llama.cpp may reuse its graph; only with backend sampling (the graph samples every row)
     # and without a sliding window.
     cdef public bint hold_run_shape
-    cdef int n_ubatch
-    cdef int * gap_seq  # this step's placeholder rows: sequence and position, to remove after
-    cdef llama_pos * gap_pos
-    cdef int n_gap
     cdef volatile int _interrupted  # set from any thread: a decode run stops after its step
     # During a decode run with constrained rows: decode_run's after_step, the array it reads
     # (each row's token if it goes on, else -1) and what it raised.
@@ -346,16 +339,13 @@ cdef class Context:
     # Seconds decode runs spent in llama_decode, in after_step (the GIL included), waiting for
     # the step and sampling, and their steps; read by run_timing().
     cdef double _t_decode, _t_after_step, _t_wait, _t_sample
-    cdef long _t_steps, _t_gap_rows, _t_held_rows
+    cdef long _t_steps, _t_held_rows
 
     def __cinit__(self, Model model, int n_ctx=4096, int n_seq_max=16, int n_batch=512,
                   int n_ubatch=512, int n_threads=0, str flash_attn="auto", bint kv_unified=True,
-                  bint aligned_prefill=False, bint backend_sampling=False,
-                  int max_stream_gap=0):
+                  bint aligned_prefill=False, bint backend_sampling=False):
         if n_seq_max < 1 or n_ctx < 1 or n_batch < 1 or n_ubatch < 1:
             raise ValueError("n_ctx, n_seq_max, n_batch and n_ubatch must be positive")
-        if max_stream_gap < 0:
-            raise ValueError("max_stream_gap must not be negative")
         if flash_attn not in _FLASH_ATTN:
             raise ValueError(f"flash_attn must be one of {sorted(_FLASH_ATTN)}")
         cdef llama_context_params params = llama_context_default_params()
@@ -386,12 +376,7 @@ cdef class Context:
         self.aligned_prefill = aligned_prefill and not kv_unified
         self.backend_sampling = backend_sampling
         self.device_masks = backend_sampling
-        # A placeholder row's cell would count against its stream's sliding window, where
-        # llama.cpp may then reuse a cell the stream's cached prompt still needs.
-        self.max_stream_gap = (0 if kv_unified or llama_model_n_swa(model.model) > 0
-                               else max_stream_gap)
         self.n_batch = llama_n_batch(self.ctx)
-        self.n_ubatch = llama_n_ubatch(self.ctx)
         self.n_vocab = model.n_vocab
         self.mask_words = (self.n_vocab + 31) // 32
         self.n_threads = llama_n_threads(self.ctx)
@@ -405,13 +390,10 @@ cdef class Context:
         self.out_device_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
         self.candidates = <llama_token_data *> malloc(self.n_vocab * sizeof(llama_token_data))
-        self.gap_seq = <int *> malloc(n_seq_max * sizeof(int))
-        self.gap_pos = <llama_pos *> malloc(n_seq_max * sizeof(llama_pos))
         if (self.out_seq is NULL or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
                 or self.out_host is NULL or self.out_mask is NULL
-                or self.out_device_mask is NULL or self.candidates is NULL
-                or self.gap_seq is NULL or self.gap_pos is NULL):
+                or self.out_device_mask is NULL or self.candidates is NULL):
             raise MemoryError()
 
     cdef void _alloc_sequences(self, int n_seq_max) except *:
@@ -477,8 +459,6 @@ cdef class Context:
         free(<void *> self.out_device_mask)
         free(self.out_tokens)
         free(self.candidates)
-        free(self.gap_seq)
-        free(self.gap_pos)
         if self.batch.token is not NULL:
             llama_batch_free(self.batch)
         if self.ctx is not NULL:
@@ -717,8 +697,7 @@ cdef class Context:
         with `end_at_stop`, after the step in which a row stopped (a request waits for a slot).
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
         A step that fails ends the run with what the steps before it made, and leaves no cell of
-        its own behind; DecodeError if the first step fails. With split streams, each step
-        fills the gaps between its rows up to `max_stream_gap` (see _fill_gap). With
+        its own behind; DecodeError if the first step fails. With
         `hold_run_shape` (and backend sampling), rows that stop stay in the batch until the run
         ends, so that its steps are one shape.
 
@@ -772,18 +751,16 @@ cdef class Context:
         """Mean milliseconds per step of the decode runs since the last call: in llama_decode
         (on a GPU: building and launching the step), in after_step (the GIL included), waiting
         for the step to finish (on a GPU; a CPU computes it inside llama_decode), and sampling
-        (reading host rows' logits back included), how many steps, the placeholder rows a step
-        carried in the gaps between split streams (gap_rows), and the rows it carried after
-        they stopped (held_rows, hold_run_shape)."""
+        (reading host rows' logits back included), how many steps, and the rows a step carried
+        after they stopped (held_rows, hold_run_shape)."""
         steps = max(1, self._t_steps)
         timing = {"steps": self._t_steps, "decode_ms": 1000 * self._t_decode / steps,
                   "after_step_ms": 1000 * self._t_after_step / steps,
                   "wait_ms": 1000 * self._t_wait / steps,
                   "sample_ms": 1000 * self._t_sample / steps,
-                  "gap_rows": self._t_gap_rows / steps,
                   "held_rows": self._t_held_rows / steps}
         self._t_decode = self._t_after_step = self._t_wait = self._t_sample = 0
-        self._t_steps = self._t_gap_rows = self._t_held_rows = 0
+        self._t_steps = self._t_held_rows = 0
         return timing
 
     def interrupt(self):
@@ -816,7 +793,7 @@ cdef class Context:
         cdef unsigned char * live = <unsigned char *> calloc(n_rows, 1)  # samples this step
         cdef Py_ssize_t i_out
         cdef int n_live, first_live = 0
-        # Not with a sliding window, which would count a held row's position (as _fill_gap's).
+        # Not with a sliding window, which would count a held row's position.
         cdef bint hold = (self.hold_run_shape and self.backend_sampling
                           and llama_model_n_swa(self.model.model) == 0)
         cdef double t0, t1
@@ -850,7 +827,6 @@ cdef class Context:
             t0 = _now()
             rc = llama_decode(self.ctx, self.batch)
             self._t_decode += _now() - t0
-            self._remove_gap_rows()
             if rc != 0:
                 self._forget_step(n, rows, seq_ids, positions, counts)
                 break
@@ -931,52 +907,14 @@ cdef class Context:
                               const int[::1] positions, const int[::1] last_tokens,
                               const int * tokens, const int * counts,
                               int n_steps) noexcept nogil:
-        """The batch of a run's step: row rows[i]'s next token at batch index out_idx[i], and
-        between rows, the placeholder rows of the gaps _fill_gap fills."""
-        cdef int i, r, b = 0
-        self.n_gap = 0
+        """The batch of a run's step: row rows[i]'s next token at batch index i."""
+        cdef int i, r
         for i in range(n):
             r = rows[i]
-            if i > 0:
-                b = self._fill_gap(b, seq_ids[rows[i - 1]], seq_ids[r], n - i)
-            self._put(b, last_tokens[r] if counts[r] == 0 else tokens[r * n_steps + counts[r] - 1],
+            self._put(i, last_tokens[r] if counts[r] == 0 else tokens[r * n_steps + counts[r] - 1],
                       positions[r] + counts[r], seq_ids[r], True)
-            self.out_idx[i] = b
-            b += 1
-        self.batch.n_tokens = b
-        self._t_gap_rows += self.n_gap
-
-    cdef int _fill_gap(self, int b, int lo, int hi, int rows_left) noexcept nogil:
-        """From batch index b, a placeholder row (no output) for each idle stream between
-        sequences lo and hi, when there are at most max_stream_gap of them, each has a free
-        cell, and the batch stays one micro-batch with the rows_left still to come; returns the
-        next batch index. llama.cpp decodes split streams in micro-batches of consecutive seq
-        ids, each a forward pass of its own, and reuses a pass's graph only for the same
-        streams: on a GPU each extra pass cost ~2.5 ms a step, where a row costs ~0.06 ms
-        (ARCHITECTURE.md, "Scattered split streams"). _remove_gap_rows takes the cells back."""
-        cdef int g, gap = hi - lo - 1
-        cdef llama_memory_t mem = llama_get_memory(self.ctx)
-        if (gap <= 0 or gap > self.max_stream_gap
-                or b + gap + rows_left > min(self.n_batch, self.n_ubatch)):
-            return b
-        for g in range(gap):  # each stream's next position, kept only if every one has room
-            self.gap_pos[self.n_gap + g] = llama_memory_seq_pos_max(mem, lo + 1 + g) + 1
-            if self.gap_pos[self.n_gap + g] >= self.n_ctx_seq:
-                return b
-        for g in range(lo + 1, hi):
-            self.gap_seq[self.n_gap] = g
-            self._put(b, 0, self.gap_pos[self.n_gap], g, False)
-            self.n_gap += 1
-            b += 1
-        return b
-
-    cdef void _remove_gap_rows(self) noexcept nogil:
-        """Remove the cells this step's placeholder rows took (whether or not it decoded)."""
-        cdef llama_memory_t mem = llama_get_memory(self.ctx)
-        cdef int k
-        for k in range(self.n_gap):
-            llama_memory_seq_rm(mem, self.gap_seq[k], self.gap_pos[k], -1)
-        self.n_gap = 0
+            self.out_idx[i] = i
+        self.batch.n_tokens = n
 
     cdef inline void _put(self, int b, int token, llama_pos pos, int seq_id,
                           bint output) noexcept nogil:

@@ -106,7 +106,6 @@ cdef extern from "llama.h" nogil:
     uint32_t llama_n_ctx(const llama_context * ctx)
     uint32_t llama_n_ctx_seq(const llama_context * ctx)
     uint32_t llama_n_batch(const llama_context * ctx)
-    uint32_t llama_n_ubatch(const llama_context * ctx)
     int32_t llama_n_threads(llama_context * ctx)
     uint32_t llama_n_seq_max(const llama_context * ctx)
     llama_memory_t llama_get_memory(const llama_context * ctx)

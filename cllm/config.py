@@ -103,11 +103,6 @@ class EngineConfig:
     # "Prompts that end in a step").
     prefill_stagger: int = 0
     n_ubatch: int = 512
-    # Split streams: a decode step fills a gap of up to this many idle streams between its
-    # sequences with placeholder rows, so that the step stays one forward pass. None: 64 on a
-    # GPU, where a pass costs as much as ~50 rows, 0 on a CPU, where a row costs more than a
-    # pass (ARCHITECTURE.md, "Scattered split streams").
-    stream_gap_fill: int | None = None
     n_threads: int = 0  # 0: every core this process may use
     cpu_wait: str = "auto"  # how CPU threads wait for each other: see apply_cpu_wait
     n_gpu_layers: int = -1  # -1: every layer the GPU build can take
@@ -131,8 +126,6 @@ class EngineConfig:
         if self.prefill_stagger < 0:
             raise ValueError("prefill_stagger must be 0 (auto) or positive, "
                              f"got {self.prefill_stagger}")
-        if self.stream_gap_fill is not None and self.stream_gap_fill < 0:
-            raise ValueError(f"stream_gap_fill must not be negative, got {self.stream_gap_fill}")
         if self.request_timeout <= 0:
             raise ValueError("request_timeout must be positive")
         if self.successor_wait is not None:

@@ -153,10 +153,7 @@ class Engine:
                                  kv_unified=self.kv_unified, aligned_prefill=aligned,
                                  backend_sampling=(
                                      default_backend_sampling() if config.backend_sampling is None
-                                     else config.backend_sampling),
-                                 max_stream_gap=(
-                                     default_stream_gap_fill() if config.stream_gap_fill is None
-                                     else config.stream_gap_fill))
+                                     else config.backend_sampling))
         # On a GPU a decode run keeps the rows that stop in its batch, so llama.cpp reuses the
         # step's graph (ARCHITECTURE.md, "Decode runs keep their shape"); on a CPU a held row
         # would cost as much as a live one.
@@ -173,8 +170,7 @@ class Engine:
                                    cache_prompts=config.cache_prompts,
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1,
                                    prefill_stagger=config.prefill_stagger or (None if gpu else 16),
-                                   first_tokens_apart=aligned,
-                                   stream_gap_fill=self.ctx.max_stream_gap)
+                                   first_tokens_apart=aligned)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
         # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on threads of
         # their own. On a CPU every core is llama.cpp's: one thread, before the step.
@@ -695,13 +691,6 @@ def default_backend_sampling() -> bool:
     """Whether greedy rows are sampled inside the graph when none is asked: on a GPU, where
     the logits would otherwise travel to the host. ARCHITECTURE.md has the measurements."""
     return _core.supports_gpu_offload()
-
-
-def default_stream_gap_fill() -> int:
-    """How many idle streams a decode step fills between its split-stream sequences when none
-    is asked: on a GPU an extra forward pass costs about as much as ~50 rows (ARCHITECTURE.md,
-    "Scattered split streams"); on a CPU a row costs more than a pass."""
-    return 64 if _core.supports_gpu_offload() else 0
 
 
 def default_successor_wait() -> float:

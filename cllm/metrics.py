@@ -94,8 +94,6 @@ ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
     "graphs_reused": ("cllm_engine_graphs_reused",
                       "Forward steps llama.cpp ran on the graph of the step before, not a new one"),
     "run_steps": ("cllm_engine_run_steps", "Forward steps of decode runs"),
-    "gap_rows": ("cllm_engine_run_gap_rows",
-                 "Placeholder rows those steps carried between split streams"),
     "held_rows": ("cllm_engine_run_held_rows",
                   "Rows those steps carried after they stopped, keeping the run's shape"),
 }

@@ -149,14 +149,9 @@ class PrefixCache:
     IDLE_PROMPT_GAIN = 32
 
     def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True,
-                 block: int = 1, replies: str = "auto", prompts: str = "auto",
-                 gap_fill: int = 0) -> None:
+                 block: int = 1, replies: str = "auto", prompts: str = "auto") -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         self.shared_cells = shared_cells
-        # Split streams: the core fills a gap of up to this many idle streams between a step's
-        # sequences with placeholder rows (_core.Context's max_stream_gap), so streams that
-        # close share a forward pass.
-        self.gap_fill = gap_fill
         # Split streams: an idle stream is outside every other row's attention, so it costs
         # nothing to keep; only one pool needs rules. Prompts are dropped only on the evidence
         # of a whole window (a fresh server keeps them, as llama-server's slots do); a chat's
@@ -237,12 +232,9 @@ class PrefixCache:
         packed_tokens = pack(tokens)
         match = self._match(tokens, packed_tokens, limit, live_prefix)
         src = match.src
-        costs = self._step_costs()
         if self._takes_over(match, tokens, packed_tokens):
-            cheaper = self._cheaper_slot(idle, src, costs)
-            return match if cheaper is None else replace(match, dst=cheaper)
-        dst = min((s for s in idle if s is not src), key=lambda s: self._preference(s, costs),
-                  default=None)
+            return match
+        dst = min((s for s in idle if s is not src), key=self._preference, default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
             return match
         return replace(match, dst=dst)
@@ -262,47 +254,14 @@ class PrefixCache:
                 and common_packed_prefix(self.packed_held(src, src.tokens), packed_tokens)
                 >= src.prompt_length)
 
-    def _cheaper_slot(self, idle: list[Slot], src: Slot, costs: dict) -> Slot | None:
-        """Where a sequence that would take over `src` goes instead: an idle slot that costs
-        every step less (_step_costs), if evicting it loses nothing (_loses_nothing; its
-        prefix is copied there). Without filled gaps only a slot that would start a pass
-        of its own is left, since a copy costs a step's worth on a CPU. An extra pass costs
-        every step of the sequence (on an H200, 8 streams of repeated prompts taken over where
-        they lay decoded at 88 tokens/s each against ~500 together). A copy that evicts a
-        conversation costs that conversation's next turn: with any slot beside the runs
-        allowed, 64 conversations over 64 streams evicted each other (88% of prompt tokens
-        cached -> 38-57%; bench/results/h200-split-sampling/)."""
-        cost = costs[src.id]
-        if cost[0] <= 0 and not self.gap_fill:
-            return None
-        cheaper = sorted((s for s in idle if costs[s.id] < cost),
-                         key=lambda s: self._preference(s, costs))
-        return next((s for s in cheaper if self._loses_nothing(s, idle)), None)
-
     @staticmethod
-    def _preference(slot: Slot, costs: dict) -> tuple:
+    def _preference(slot: Slot) -> tuple:
         """Which idle slot a sequence that does not take over its match goes to, lowest first:
-        one that costs every step least (_step_costs), then an empty one, then the least
-        recently used (the source itself is never a candidate)."""
-        return costs[slot.id], slot.cached > 0, slot.last_used
-
-    def _loses_nothing(self, slot: Slot, idle: list[Slot]) -> bool:
-        """Whether evicting idle `slot` loses nothing: it holds no cells, or another idle slot
-        holds its cached tokens too (a copy of the same prompt). With split streams every
-        finished reply stays cached, but while recent requests do not continue replies
-        (`replies.reused`: one-shot requests, not chats), a reply is nothing to keep, and a
-        slot whose prompt another idle slot holds, with another reply, loses nothing either:
-        after a busy level every slot held a repeated prompt and its own reply, so no copy
-        could bring a later level's few streams together (bench/results/h200-stream-gap-fill/).
-        A preempted sequence's slot keeps all it holds: it resumes from there."""
-        held = min(len(slot.tokens), slot.cached)
-        if slot.resuming is None and not self.shared_cells and not self.replies.reused:
-            held = min(held, slot.prompt_length)
-        packed = self.packed_held(slot, slot.tokens)[:held * _TOKEN_SIZE]
-        return not held or any(
-            other is not slot and other.cached >= held
-            and common_packed_prefix(self.packed_held(other, other.tokens), packed) == held
-            for other in idle)
+        an empty one, then the least recently used (the source itself is never a candidate).
+        Where a split stream lies costs nothing: llama.cpp decodes the streams of a step in one
+        forward pass whatever idle streams lie between them
+        (vendor/patches/llama-kv-split-stream-gaps.patch)."""
+        return slot.cached > 0, slot.last_used
 
     def packed_held(self, slot: Slot, held: list[int]) -> bytes:
         """`held` (the tokens `slot` holds, or its running sequence's prompt), packed once."""
@@ -310,35 +269,6 @@ class PrefixCache:
         if entry is None or entry[0] is not held:
             entry = self._packed[slot.id] = (held, pack(held))
         return entry[1]
-
-    def _step_costs(self) -> dict[int, tuple[int, int]]:
-        """For each idle slot, what a sequence in it would add to every step: (forward passes,
-        rows). With split streams llama.cpp decodes each run of consecutive streams in a pass
-        of its own (8 rows in every 4th of 32 streams: 77 ms a step, against 46 ms in 8
-        consecutive ones, 2-core AVX2 AMD EPYC, bench/probe_stream_gaps.py), and the core fills
-        a gap of up to gap_fill idle streams with a placeholder row each, so streams that close
-        share a pass and their gap's rows are computed. So a slot joins the pass of a live
-        stream within gap_fill of it, costing the rows between; a slot in a gap that is filled
-        already costs nothing. In one pool, nothing."""
-        live = [slot.live for slot in self.slots]
-        if self.shared_cells:
-            return {i: (0, 0) for i, is_live in enumerate(live) if not is_live}
-        left = _nearest_live(live, range(len(live)))
-        right = _nearest_live(live, reversed(range(len(live))))
-        costs = {}
-        for i, is_live in enumerate(live):
-            if is_live:
-                continue
-            lo, hi = left[i], right[i]
-            if lo is not None and hi is not None and hi - lo - 1 <= self.gap_fill:
-                costs[i] = (0, 0)
-                continue
-            passes, rows = 1, 1
-            for near in (lo, hi):
-                if near is not None and abs(i - near) - 1 <= self.gap_fill:
-                    passes, rows = passes - 1, rows + abs(i - near) - 1
-            costs[i] = (passes, rows)
-        return costs
 
     # ---- changes ----
 
@@ -494,16 +424,6 @@ class PrefixCache:
         live_groups = {run.group for s in self.slots for run in s.runs}
         for group in [g for g in self._group_start if g not in live_groups]:
             del self._group_start[group]
-
-
-def _nearest_live(live: list[bool], order) -> dict[int, int | None]:
-    """For each index, the nearest live index that comes before it in `order`, or None."""
-    nearest, last = {}, None
-    for i in order:
-        nearest[i] = last
-        if live[i]:
-            last = i
-    return nearest
 
 
 def _clip(runs: list[Run], length: int) -> list[Run]:

@@ -53,8 +53,6 @@ class Scheduler:
     `shared_kv`: one pool of `kv_capacity` cells for all slots, where cached prefixes are evicted
     (least recently used) and then running sequences preempted when cells run out; otherwise each
     slot is a stream of `max_seq_len` cells that its sequence can never outgrow.
-    `stream_gap_fill`: with streams, the core's max_stream_gap, which placement takes into
-    account (PrefixCache).
     `prefill_block`: a prompt chunk that stops short of the prompt's end stops at a multiple of
     it, and cached prefixes are reused in whole blocks (see _core.PREFILL_BLOCK).
     `prefill_stagger`: prompt tokens a step may spend bringing prompts to their end besides the
@@ -77,8 +75,7 @@ class Scheduler:
                  n_slots: int | None = None, shared_kv: bool = True,
                  prefix_cache: bool = True, cache_replies: str = "auto",
                  cache_prompts: str = "auto", prefill_block: int = 1,
-                 prefill_stagger: int | None = None, first_tokens_apart: bool = False,
-                 stream_gap_fill: int = 0) -> None:
+                 prefill_stagger: int | None = None, first_tokens_apart: bool = False) -> None:
         self.max_seqs = max_seqs
         self.first_tokens_apart = first_tokens_apart
         self._decodes_held = False  # the last step ended prompts and left its decodes to this one
@@ -90,7 +87,7 @@ class Scheduler:
         self.eog_tokens = eog_tokens
         self.cache = PrefixCache(n_slots or max_seqs, shared_cells=shared_kv,
                                  enabled=prefix_cache, block=prefill_block, replies=cache_replies,
-                                 prompts=cache_prompts, gap_fill=stream_gap_fill)
+                                 prompts=cache_prompts)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it

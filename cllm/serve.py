@@ -59,10 +59,6 @@ OPTIONS = {
                         "prompt tokens a step may spend ending prompts besides the first it ends, "
                         "so that requests arriving together get first tokens a step apart "
                         "(0: 16 on a CPU, the batch size on a GPU)"),
-    "stream_gap_fill": (int, _ENGINE.stream_gap_fill,
-                        "split streams: fill a gap of up to this many idle streams between a "
-                        "step's sequences with placeholder rows, so the step stays one forward "
-                        "pass (default: 64 on a GPU, 0 on a CPU)"),
     "threads": (int, _ENGINE.n_threads, "CPU threads (0: every usable core)"),
     "cpu_wait": (str, _ENGINE.cpu_wait,
                  "how CPU threads wait for each other: spin (fastest on an idle machine), sleep "
@@ -153,7 +149,7 @@ def build_config(options: dict) -> ServerConfig:
         model=options["model"], n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
         prefill_stagger=options["prefill_stagger"],
-        stream_gap_fill=options["stream_gap_fill"], n_threads=options["threads"],
+        n_threads=options["threads"],
         cpu_wait=options["cpu_wait"],
         kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
         prefix_cache=options["prefix_cache"], cache_replies=options["cache_replies"],

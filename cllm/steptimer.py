@@ -19,8 +19,8 @@ from collections import defaultdict
 RUN_PARTS = {"llama_decode": "decode_ms", "after_step": "after_step_ms", "wait": "wait_ms",
              "sample": "sample_ms"}
 # The rows beside the sequences' own that a run's forward step carries, as Context.run_timing
-# counts them: placeholders between split streams, rows held after they stopped.
-RUN_ROWS = ("gap_rows", "held_rows")
+# counts them: rows held after they stopped.
+RUN_ROWS = ("held_rows",)
 
 
 class StepTimer:

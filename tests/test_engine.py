@@ -8,7 +8,7 @@ import pytest
 from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import (Engine, EngineStoppedError, PromptTooLongError, default_backend_sampling,
-                         default_stream_gap_fill, default_successor_wait)
+                         default_successor_wait)
 from cllm.prefix_cache import common_packed_prefix, pack
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from cllm.successor_wait import HISTORY
@@ -328,22 +328,6 @@ def test_the_engine_waits_for_successors_by_default_on_a_cpu_only(monkeypatch):
     assert default_successor_wait() == 0
     monkeypatch.setattr(_core, "supports_gpu_offload", lambda: False)
     assert default_successor_wait() == 0.5
-
-
-def test_split_streams_gaps_are_filled_by_default_on_a_gpu_only(monkeypatch):
-    monkeypatch.setattr(_core, "supports_gpu_offload", lambda: True)
-    assert default_stream_gap_fill() == 64
-    monkeypatch.setattr(_core, "supports_gpu_offload", lambda: False)
-    assert default_stream_gap_fill() == 0
-
-
-def test_a_stream_gap_fill_asked_for_reaches_the_context(model_path):
-    eng = Engine(EngineConfig(n_ctx=2048, n_parallel=4, n_threads=2, kv_unified=False,
-                              stream_gap_fill=3), model_path)
-    try:
-        assert eng.ctx.max_stream_gap == 3
-    finally:
-        eng.shutdown()
 
 
 def test_a_shared_prefix_is_computed_once(model_path):

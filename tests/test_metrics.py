@@ -26,11 +26,11 @@ def test_decode_runs_timing_reads_back_by_part():
     metrics, timer = served(calls=1, rows=4, forward_steps=8)
     timer.start()
     timer.add_run({"steps": 8, "decode_ms": 2.5, "after_step_ms": 0.0, "wait_ms": 0.0,
-                   "sample_ms": 0.5, "gap_rows": 2.0, "held_rows": 0.5}, call_seconds=0.025)
+                   "sample_ms": 0.5, "held_rows": 0.5}, call_seconds=0.025)
     timer.end(rows=4, forward_steps=8)
     text = metrics.render().decode()
     counts = step_timer_counts(text)
-    assert (counts["run_steps"], counts["gap_rows"], counts["held_rows"]) == (8, 16, 4)
+    assert (counts["run_steps"], counts["held_rows"]) == (8, 4)
     help_line = next(line for line in text.splitlines()
                      if line.startswith("# HELP cllm_engine_run_seconds_total"))
     assert all(part in help_line for part in ("llama_decode", "after_step", "wait", "sample"))

@@ -79,11 +79,11 @@ def nothing_computed(slot):
     return [], 0
 
 
-@pytest.mark.parametrize("shared_cells, expected", [(False, 1), (True, 3)])
-def test_split_streams_keep_running_sequences_in_consecutive_slots(shared_cells, expected):
-    """llama.cpp decodes each run of consecutive split streams in a pass of its own: a new
-    sequence fills the gap a finished one left, even over an empty slot; one pool has no gaps
-    and takes the empty slot, keeping what the finished sequence left."""
+@pytest.mark.parametrize("shared_cells", [False, True])
+def test_a_new_sequence_takes_an_empty_slot_and_keeps_what_a_finished_one_left(shared_cells):
+    """With split streams too: llama.cpp decodes a step's streams in one pass whatever idle
+    streams lie between them (vendor/patches/llama-kv-split-stream-gaps.patch), so where a
+    slot lies costs nothing."""
     cache = PrefixCache(6, shared_cells=shared_cells)
     live = []
     for k in range(3):
@@ -93,7 +93,7 @@ def test_split_streams_keep_running_sequences_in_consecutive_slots(shared_cells,
     assert [slot.id for slot in live] == [0, 1, 2]
     cache.extend(live[1], 0, 8)
     cache.finish(live[1], [1] * 8)
-    assert cache.place([9] * 8, 7, nothing_computed).dst.id == expected
+    assert cache.place([9] * 8, 7, nothing_computed).dst.id == 3
 
 
 @pytest.mark.parametrize("shared_cells", [False, True])
@@ -107,56 +107,22 @@ def test_the_same_prompt_again_takes_its_slot_in_place_though_its_reply_is_longe
     assert other.src is first and other.dst is not first and other.length == 8
 
 
-def test_split_streams_copy_a_prompt_next_to_the_running_ones_rather_than_take_its_slot_apart():
-    """The same prompt again would take its idle slot over in place (the test above), but with
-    split streams a slot away from the running sequences would cost a forward pass of its own
-    every step: its prefix is copied into a free slot beside them instead, and never into one
-    holding something no other slot holds."""
-    cache = PrefixCache(8, shared_cells=False)
+@pytest.mark.parametrize("shared_cells", [False, True])
+def test_a_prompt_cached_apart_from_the_running_ones_is_taken_over_where_it_lies(shared_cells):
+    cache = PrefixCache(8, shared_cells=shared_cells)
     prompts = [[k] * 10 for k in range(1, 6)]
     for prompt in prompts:  # idle slots 0..4, each holding its prompt
         run_sequence(cache, prompt, computed=10, reply=[7] * 20)
     cache.evict(cache.slots[1])
-    first = cache.place(prompts[0], 9, nothing_computed)
-    cache.start(first)
-    assert first.dst is first.src and first.dst.id == 0  # nothing runs yet: in place
+    cache.start(cache.place(prompts[0], 9, nothing_computed))
     again = cache.place(prompts[3], 9, nothing_computed)
-    assert again.src.id == 3 and again.length == 9
-    assert again.dst.id == 1  # the empty slot beside slot 0, not slot 3 alone
-    cache.start(again)
-    third = cache.place(prompts[2], 9, nothing_computed)
-    assert third.src.id == third.dst.id == 2  # its own slot is beside the run 0-1 already
-    cache.start(third)
-    # Slot 4 lies apart (3 and 5 idle); slot 3, beside the run, holds the only idle copy of
-    # prompt 4: slot 4 is taken over after all.
-    fourth = cache.place(prompts[4], 9, nothing_computed)
-    assert fourth.src.id == fourth.dst.id == 4
-    # One pool has no runs: the same prompt takes its own slot over.
-    pool = PrefixCache(8, shared_cells=True)
-    for prompt in prompts:
-        run_sequence(pool, prompt, computed=10, reply=[7] * 20)
-    pool.start(pool.place(prompts[0], 9, nothing_computed))
-    assert pool.place(prompts[3], 9, nothing_computed).dst.id == 3
+    assert again.src is again.dst and again.dst.id == 3 and again.length == 9
 
 
-def test_split_streams_copy_beside_the_runs_over_a_prompt_another_slot_holds_too():
-    cache = PrefixCache(8, shared_cells=False)
-    a, b, c = [1] * 10, [2] * 10, [3] * 10
-    for slot_id, tokens in ((0, a), (2, a), (4, c), (5, b)):
-        slot = cache.slots[slot_id]
-        cache.start(Placement(slot, None, 0))
-        cache.extend(slot, 0, 10)
-        cache.finish(slot, tokens)
-    cache.start(Placement(cache.slots[3], None, 0))  # a sequence runs in slot 3
-    again = cache.place(b, 9, nothing_computed)  # slot 5 lies apart: 4 and 6 are idle
-    assert again.src.id == 5 and again.dst.id == 2  # slot 2's prompt is in slot 0 too
-    assert cache.slots[4].tokens == c  # the only copy of c stays
-
-
-def test_split_streams_take_over_a_slot_beside_a_running_one_rather_than_evict_a_gap():
-    """A conversation whose slot touches a running stream continues there, though copying it
-    into a gap between two runs would join them: that copy would evict the gap's own
-    conversation (64 conversations over 64 streams then kept evicting each other)."""
+def test_split_streams_continue_a_conversation_in_its_slot_and_keep_the_others():
+    """A conversation continues in its own slot; the idle slots between running ones keep
+    theirs (64 conversations over 64 streams once kept evicting each other when placement
+    copied conversations to join the running streams)."""
     cache = PrefixCache(8, shared_cells=False)
     chats = [[k] * 10 for k in range(1, 7)]
     for chat in chats:  # idle slots 0..5, each holding its conversation
@@ -166,60 +132,6 @@ def test_split_streams_take_over_a_slot_beside_a_running_one_rather_than_evict_a
     turn = cache.place(chats[4] + [7] * 20 + [8] * 5, 30, nothing_computed)
     assert turn.dst is turn.src and turn.dst.id == 4 and turn.length == 30
     assert cache.slots[2].tokens[:10] == chats[2]  # the gap keeps its conversation
-
-
-@pytest.mark.parametrize("gap_fill, expected", [(0, 8), (16, 2)])
-def test_with_gaps_filled_a_prompt_far_from_the_running_ones_is_copied_closer(gap_fill, expected):
-    """With gaps of up to 16 idle streams filled, streams that close share a forward pass, but
-    each stream between them is a row computed every step: a repeated prompt cached 7 streams
-    from the running one is copied into the nearest slot that loses nothing (slot 2, whose
-    prompt slot 9 holds too; slot 1 holds the only copy of its own). Without filling only
-    slot 1 would join the running stream's pass, so the prompt is taken over where it lies."""
-    cache = PrefixCache(12, shared_cells=False, gap_fill=gap_fill)
-    a, unique, twice, b = [1] * 10, [2] * 10, [3] * 10, [4] * 10
-    for slot_id, tokens in ((0, a), (1, unique), (2, twice), (9, twice), (8, b)):
-        slot = cache.slots[slot_id]
-        cache.start(Placement(slot, None, 0))
-        cache.extend(slot, 0, 10)
-        cache.finish(slot, tokens)
-    cache.start(cache.place(a, 9, nothing_computed))  # runs in slot 0, its own
-    again = cache.place(b, 9, nothing_computed)
-    assert again.src.id == 8 and again.length == 9 and again.dst.id == expected
-    assert cache.slots[1].tokens == unique
-
-
-@pytest.mark.parametrize("continued", [False, True], ids=["one-shot", "chats"])
-def test_split_streams_copy_over_a_repeated_prompt_whose_reply_nobody_continues(continued):
-    """After a busy level every idle slot holds a repeated prompt and its own reply. While
-    requests do not continue replies, a slot whose prompt another slot holds loses nothing, so
-    a later prompt cached apart from the running stream is copied beside it; while they do
-    (chats), the reply is a conversation's history and stays."""
-    cache = PrefixCache(8, shared_cells=False)
-    a, b, c = [1] * 10, [2] * 10, [3] * 10
-    for slot, prompt in zip(cache.slots, (a, b, a, c, a, b, a, c)):  # each its own reply
-        cache.start(Placement(slot, None, 0))
-        cache.extend(slot, 0, 15)
-        cache.finish(slot, prompt + [10 + slot.id] * 5, prompt_length=10)
-    for _ in range(Retention.WINDOW):  # what the requests since did: the window's evidence
-        cache.prompts.admitted(True)
-        cache.replies.admitted(continued)
-    first = cache.place(a + [9], 10, nothing_computed)  # the same prompt again: its slot 0
-    cache.start(first)
-    again = cache.place(c + [9], 10, nothing_computed)  # slot 3 lies apart from slot 0
-    assert first.dst.id == 0 and again.src.id == 3 and again.length == 10
-    assert again.dst.id == (3 if continued else 1)  # slot 1's prompt b is in slot 5 too
-    assert cache.slots[5].tokens[:10] == b
-
-
-def test_step_costs_count_passes_and_the_rows_of_filled_gaps():
-    cache = PrefixCache(10, shared_cells=False, gap_fill=3)
-    for slot_id in (2, 7):  # four idle streams between them: too far apart to share a pass
-        cache.start(Placement(cache.slots[slot_id], None, 0))
-    assert cache._step_costs() == {0: (0, 2), 1: (0, 1), 3: (-1, 4), 4: (-1, 4), 5: (-1, 4),
-                                   6: (-1, 4), 8: (0, 1), 9: (0, 2)}
-    cache.start(Placement(cache.slots[4], None, 0))  # now 2, 4 and 7 share one pass
-    assert cache._step_costs()[3] == cache._step_costs()[6] == (0, 0)
-    assert cache._step_costs()[9] == (0, 2)
 
 
 def test_reuse_in_place_trims_and_the_evicted_lru_goes_first():

@@ -48,7 +48,6 @@ def test_retention_rules_reach_the_engine_config():
     (["--stream-interval", "0"], "stream_interval must be at least 1"),
     (["--cache-replies", "always"], "cache_replies must be one of auto, keep, drop"),
     (["--cache-prompts", "never"], "cache_prompts must be one of auto, keep, drop"),
-    (["--stream-gap-fill", "-1"], "stream_gap_fill must not be negative"),
     (["--successor-wait", "1.5"], "successor_wait must be between 0.0 and 1.0"),
 ])
 def test_bad_values_exit_2_with_the_reason(argv, reason, capsys):

@@ -51,11 +51,11 @@ def test_decode_runs_timing_adds_up_over_calls_and_reads_per_forward_step():
     for ms in (2.0, 4.0):  # two runs of 8 forward steps, as Context.run_timing reports them
         timer.start()
         timer.add_run({"steps": 8, "decode_ms": ms, "after_step_ms": 0.0, "wait_ms": 0.25,
-                       "sample_ms": 1.0, "gap_rows": 1.5, "held_rows": ms / 2},
+                       "sample_ms": 1.0, "held_rows": ms / 2},
                       call_seconds=8 * (ms + 1.75) / 1000)
         timer.end(rows=6, forward_steps=8)
     between = since(timer.snapshot(), first)
-    assert between["run_steps"] == 16 and between["gap_rows"] == 24
+    assert between["run_steps"] == 16
     assert between["held_rows"] == 8 * 1 + 8 * 2
     summary = summarize(between)
     parts = summary["run_ms_by_part"]
@@ -63,14 +63,14 @@ def test_decode_runs_timing_adds_up_over_calls_and_reads_per_forward_step():
     assert parts["llama_decode"] == 3.0 and parts["sample"] == 1.0 and parts["after_step"] == 0
     assert parts["wait"] == 0.25
     assert abs(parts["outside"] - 0.5) < 1e-9  # the calls' laps beyond the core's parts
-    assert summary["gap_rows_per_run_step"] == 1.5 and summary["held_rows_per_run_step"] == 1.5
+    assert summary["held_rows_per_run_step"] == 1.5
 
 
 def test_a_run_counts_with_its_call():
     timer = StepTimer()
     timer.start()
     timer.add_run({"steps": 8, "decode_ms": 2.0, "after_step_ms": 0.0, "wait_ms": 0.0,
-                   "sample_ms": 1.0, "gap_rows": 0.0, "held_rows": 0.0}, call_seconds=0.03)
+                   "sample_ms": 1.0, "held_rows": 0.0}, call_seconds=0.03)
     assert timer.run_steps == 0 and "run_ms_by_part" not in timer.summary()  # not ended yet
     timer.end(rows=4, forward_steps=8)
     assert timer.run_steps == 8 and timer.run["llama_decode"] == 0.016

@@ -200,7 +200,6 @@ def _print_run(run: dict) -> None:
         if "run_ms_by_part" in steps:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in steps["run_ms_by_part"].items())
             say(f"  engine thread, decode runs, ms a forward step: {parts}; "
-                f"{steps['gap_rows_per_run_step']:.1f} gap rows and "
                 f"{steps['held_rows_per_run_step']:.1f} held rows each")
 
 

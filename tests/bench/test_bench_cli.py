@@ -161,7 +161,7 @@ def test_a_levels_line_says_where_the_engine_threads_time_went(capsys):
     timer = StepTimer()
     timer.start()
     timer.add_run({"steps": 8, "decode_ms": 4.0, "after_step_ms": 0.0, "wait_ms": 0.25,
-                   "sample_ms": 0.5, "gap_rows": 1.0, "held_rows": 2.0}, call_seconds=0.042)
+                   "sample_ms": 0.5, "held_rows": 2.0}, call_seconds=0.042)
     timer.end(rows=64, forward_steps=8)
     metrics = {"completed": 1, "failed": 0, "resent": 0, "output_throughput": 100.0,
                "ttft_ms": {"p50": 10.0}, "cached_share": None}
@@ -170,4 +170,4 @@ def test_a_levels_line_says_where_the_engine_threads_time_went(capsys):
     err = capsys.readouterr().err
     assert "1 calls, 64.0 rows and 8.0 forward steps a call" in err
     assert ("decode runs, ms a forward step: llama_decode 4.00, after_step 0.00, wait 0.25, "
-            "sample 0.50, outside 0.50; 1.0 gap rows and 2.0 held rows each") in err
+            "sample 0.50, outside 0.50; 2.0 held rows each") in err
