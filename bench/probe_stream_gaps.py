@@ -1,7 +1,9 @@
 """Split KV streams: what one decode step costs when its rows sit in consecutive streams, and
-when idle streams lie between them (llama.cpp decodes each run of consecutive seq ids in a
-forward pass of its own); and what copying a stream into another adds to the step after it (the
-prefix cache's alternative to a gap). Through the core alone.
+when idle streams lie between them (upstream llama.cpp decodes each run of consecutive seq ids
+in a forward pass of its own; vendor/patches/llama-kv-split-stream-gaps.patch makes such a
+step one pass), with how many of a case's steps reused the graph of the step before (one pass
+a step: all but the first); and what copying a stream into another adds to the step after it.
+Through the core alone.
 
     python bench/probe_stream_gaps.py [MODEL] [--streams N] [--threads N]"""
 import argparse
@@ -38,12 +40,14 @@ class Streams:
         for s in seqs:
             self.pos[s] += 1
 
-    def ms_per_step(self, seqs: list[int]) -> float:
+    def ms_per_step(self, seqs: list[int]) -> tuple[float, int]:
+        """Milliseconds a step, and how many of the STEPS reused the graph of the one before."""
         self.decode(seqs)  # this shape's graph
+        reused = self.ctx.graphs_reused
         start = time.perf_counter()
         for _ in range(STEPS):
             self.decode(seqs)
-        return (time.perf_counter() - start) / STEPS * 1e3
+        return (time.perf_counter() - start) / STEPS * 1e3, self.ctx.graphs_reused - reused
 
 
     def ms_after_copy(self, src: int, dst: int) -> float:
@@ -68,7 +72,10 @@ def cases(n: int) -> list[tuple[str, list[int]]]:
            ("half, every other", every[::2])]
     if n >= 32:
         out += [("8, consecutive", every[:8]), ("8, every 4th", every[::4][:8]),
-                ("8, two runs of 4", every[:4] + every[n // 2: n // 2 + 4])]
+                ("8, two runs of 4", every[:4] + every[n // 2: n // 2 + 4]),
+                # where the standard workload's 16 streams lay over HTTP (a traced server)
+                ("16 in 0-5, 12-21", every[0:6] + every[12:22]),
+                ("16 in five runs", every[0:5] + [11, 19] + every[21:25] + every[26:31])]
     return out
 
 
@@ -82,9 +89,10 @@ def main() -> None:
     for n in args.streams:
         streams = Streams(model, n, args.threads)
         for name, seqs in cases(n):
-            print(f"{n} streams, {name:18s} {len(seqs):3d} rows: "
-                  f"{streams.ms_per_step(seqs):7.2f} ms a step", flush=True)
-        print(f"{n} streams, one row {streams.ms_per_step([1]):7.2f} ms a step; after a copy "
+            ms, reused = streams.ms_per_step(seqs)
+            print(f"{n} streams, {name:18s} {len(seqs):3d} rows: {ms:7.2f} ms a step, "
+                  f"{reused}/{STEPS} graphs reused", flush=True)
+        print(f"{n} streams, one row {streams.ms_per_step([1])[0]:7.2f} ms a step; after a copy "
               f"of stream {n - 1} into it {streams.ms_after_copy(n - 1, 1):7.2f} ms "
               f"({CELLS_PER_STREAM} cells a stream)", flush=True)
 

@@ -471,10 +471,12 @@ def test_a_decode_run_over_scattered_split_streams_is_one_pass_and_leaves_idle_o
 
     def run(ctx, rows):
         tokens = [model.tokenize(p) for p in PROMPTS[:3]]
-        for seq_id in rows:
+        first = []
+        for seq_id, prompt in zip(rows, tokens):  # alone, so both contexts compute them alike
             ctx.set_sampler(seq_id, ban_eog=True)
-        first = ctx.step(ints(rows), ints([0] * 3), ints([len(t) for t in tokens]), ints([1] * 3),
-                         ints([t for row in tokens for t in row]))
+            first += ctx.step(ints([seq_id]), ints([0]), ints([len(prompt)]), ints([1]),
+                              ints(prompt))
+        first = ints(first)
         reused = ctx.graphs_reused
         out, counts = ctx.decode_run(ints(rows), ints([len(t) for t in tokens]), first,
                                      ints([8] * 3), 8)
