@@ -161,7 +161,8 @@ class Scheduler:
         self._admit_waiting(out, budget, now)
         self._decodes_held = self._hold_decodes(out, n_decodes)
         # In slot order: llama.cpp splits a batch over split KV streams into micro-batches of
-        # consecutive seq ids in batch order, so any other order costs extra forward passes.
+        # increasing seq ids in batch order (adjacent ones for prompt pieces), so any other
+        # order costs extra forward passes.
         out.chunks.sort(key=lambda chunk: chunk.seq.seq_id)
         out.released = self.take_released()
         out.kv_ops = self.take_kv_ops()
