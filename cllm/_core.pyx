@@ -697,9 +697,9 @@ cdef class Context:
         with `end_at_stop`, after the step in which a row stopped (a request waits for a slot).
         Returns (tokens, counts): row r's tokens are tokens[r * n_steps : r * n_steps + counts[r]].
         A step that fails ends the run with what the steps before it made, and leaves no cell of
-        its own behind; DecodeError if the first step fails. With
-        `hold_run_shape` (and backend sampling), rows that stop stay in the batch until the run
-        ends, so that its steps are one shape.
+        its own behind; DecodeError if the first step fails. With `hold_run_shape` (and backend
+        sampling), rows that stop stay in the batch until the run ends, so that its steps are
+        one shape.
 
         Constrained rows: `mask_rows`, `masks` and `masks_ready`, as step() takes them, hold the
         first step's bitmasks, and `after_step(going_on, more)` gets every step's tokens, with
