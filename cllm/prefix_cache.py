@@ -98,14 +98,9 @@ class Retention:
 
     @property
     def keeps(self) -> bool:
+        """Whether such cells stay cached now (the class says how `auto` decides)."""
         if self.mode != "auto":
             return self.mode == "keep"
-        return self.reused
-
-    @property
-    def reused(self) -> bool:
-        """What the evidence says, whatever the mode: at least `SHARE` of the last `WINDOW`
-        admissions would have reused such cells, or fewer than `min_admissions` were seen."""
         if len(self._recent) < self.min_admissions:
             return True
         return sum(self._recent) >= self.SHARE * len(self._recent)
