@@ -771,17 +771,22 @@ def test_a_request_sent_as_another_ends_starts_in_the_next_step(model_path):
     shown that, the engine waits for the successor after each end (successor_wait), so it
     starts in the very next step instead of after a decode step of the others. Each short
     request here is a prompt step and a decode step; between the steps that end two of them,
-    the long request beside them decodes once (in the second's decode step), not twice."""
+    the long request beside them decodes in those two steps only: once where first tokens go
+    apart from the decodes (split streams on a CPU: in the second's decode step), twice where a
+    prompt step carries them (a GPU). One decode step a call: a decode run goes on past a row's
+    end and hands the end over when it stops, so the client sends the successor after the whole
+    run (bench/results/h200-s48/)."""
     eng = Engine(EngineConfig(n_ctx=4 * 512, n_parallel=4, n_threads=2, kv_unified=False,
-                              successor_wait=0.5), model_path)
+                              successor_wait=0.5, decode_steps=1), model_path)
     try:
         decoded_at_ends = asyncio.run(_chain_beside_a_long_request(eng, PROMPTS[:16]))
+        least_gap = 1 if eng.scheduler.first_tokens_apart else 2
         assert_idle(eng)
     finally:
         eng.shutdown()
     gaps = [b - a for a, b in zip(decoded_at_ends, decoded_at_ends[1:])]
     settled = gaps[HISTORY:]  # the first ends show the engine that successors come at once
-    assert sum(gap == 1 for gap in settled) >= 0.75 * len(settled), gaps
+    assert sum(gap == least_gap for gap in settled) >= 0.75 * len(settled), gaps
 
 
 CLIENT_TURNAROUND = 0.001  # seconds from a request's end to its successor's arrival: over HTTP
