@@ -4,8 +4,8 @@ arrays), decode+sample (C), postprocess, hand-off; and for the calls that are de
 what their forward steps spend in the core as it times them (llama_decode, after_step, the
 wait for the step to finish on a GPU, sampling), what their decode laps hold beyond that
 ("outside": the Python around the core's run, the GIL's hand-back), and the rows they hold
-after those stopped; and how many
-forward steps llama.cpp ran on the graph of the step before instead of building one.
+after those stopped; and how many forward steps llama.cpp ran on the graph of the step before
+instead of building one.
 
 Cumulative, so a benchmark can read the split over many steps; a few perf_counter calls a step.
 A "step" here is one call into the core: a decode run computes several forward steps in it."""
