@@ -3,9 +3,9 @@ original /generate here; the other APIs' formats live beside their routes."""
 from __future__ import annotations
 
 import codecs
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from cllm import responses
 from cllm.api import APIError
@@ -13,8 +13,6 @@ from cllm.engine import Delta, TokenLogprob
 from cllm.responses import Token
 from cllm.sequence import FINISH_STOP
 from cllm.tools import CallParser, split_reply
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -54,16 +52,6 @@ def matched_stop(text: str, stops: tuple[str, ...]) -> str | None:
     included): the one found first."""
     found = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
     return stops[min(found)[1]] if found else None
-
-
-def _for_choice(store: dict, index: int, make: Callable[[], T]) -> T:
-    """Choice `index`'s entry in `store`, made on its first chunk: setdefault would make one
-    for every token streamed (an incremental decoder each: 3 of the event loop's 116 py-spy
-    samples at one stream)."""
-    found = store.get(index)
-    if found is None:
-        found = store[index] = make()
-    return found
 
 
 class TextOffsets:
@@ -135,7 +123,9 @@ class TypedEventsFormat(Format):
 class CompletionFormat(Format):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._offsets: dict[int, TextOffsets] = {}  # streamed: each choice's, chunk after chunk
+        # Streamed: each choice's, chunk after chunk, made on its first (setdefault would make
+        # an incremental decoder for every token: 3 of the event loop's 116 py-spy samples).
+        self._offsets: defaultdict[int, TextOffsets] = defaultdict(TextOffsets)
 
     def _logprobs(self, entries: list[TokenLogprob], offsets: TextOffsets) -> dict | None:
         if not self.want_logprobs:
@@ -150,7 +140,7 @@ class CompletionFormat(Format):
         ids = self.prompt_token_ids is not None and delta.token_ids
         if not delta.text and delta.finish_reason is None and not delta.logprobs and not ids:
             return []  # a token that only started a multi-byte character or a stop string
-        offsets = _for_choice(self._offsets, index, TextOffsets)
+        offsets = self._offsets[index]
         chunk = responses.completion_chunk(
             self.request_id, self.model, self.created, index, delta.text, delta.finish_reason,
             self._logprobs(delta.logprobs or [], offsets))
@@ -183,7 +173,7 @@ class ChatFormat(Format):
     def __init__(self, *args, tool_calls: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tool_calls = tool_calls
-        self._parsers: dict[int, CallParser] = {}  # streamed: each choice's
+        self._parsers: defaultdict[int, CallParser] = defaultdict(CallParser)  # streamed
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not self.want_logprobs:
@@ -203,7 +193,7 @@ class ChatFormat(Format):
                 out[-1]["prompt_token_ids"] = self.prompt_token_ids
         text, calls, made_calls = delta.text, [], False
         if self.tool_calls:
-            parser = _for_choice(self._parsers, index, CallParser)
+            parser = self._parsers[index]
             text, calls = parser.feed(delta.text)
             if delta.finish_reason is not None:
                 text += parser.close()
