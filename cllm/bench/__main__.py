@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from cllm import steptimer
 from cllm.models import DEFAULT_ALIAS, resolve_model
@@ -113,7 +113,7 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
     # An open loop without a cap may have every request of a level in flight.
     pool = max(max(level.concurrency or args.requests for level in args.levels),
                args.warmup) + 4
-    async with Connections(pool, httpx.Timeout(load.timeout, connect=30.0)) as connections:
+    async with Connections(pool, load.timeout) as connections:
         for t in targets:
             if t.url:
                 t.model = t.model or await first_model(connections, t.url)
@@ -174,14 +174,14 @@ async def _measure(t: Target, level: Level, plan: LevelPlan, seed: int,
 async def _engine_step_counts(connections: Connections, url: str) -> dict | None:
     """A cllm server's step timer so far, from its /metrics; None from any other server."""
     try:
-        async with connections.client() as client:
-            resp = await client.get(url.rstrip("/") + "/metrics")
-    except httpx.HTTPError:
+        async with connections.session.get(url.rstrip("/") + "/metrics") as resp:
+            status, text = resp.status, await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
         return None
     # Imported here: cllm.metrics imports the engine, which loads llama.cpp, and main() loads
     # it first for the engine-direct target (load_llama_as_the_server says why).
     from cllm.metrics import step_timer_counts
-    return step_timer_counts(resp.text) if resp.status_code == 200 else None
+    return step_timer_counts(text) if status == 200 else None
 
 
 def _print_run(run: dict) -> None:

@@ -4,18 +4,17 @@ Every request ends either with tokens or with a recorded reason; nothing is drop
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 EMPTY_RESPONSE = "empty response"
@@ -196,39 +195,27 @@ def check_tokens(r: RequestResult) -> RequestResult:
 
 
 class Connections:
-    """The benchmark's kept-alive connections, held by several small httpx clients rather than
-    one large pool: at each request's start and end httpcore (1.0.9) counts all connections of
-    the pool once for every idle one, and one pool of 260 spent over half of the client's CPU
-    doing so (py-spy), capping one client process at ~6k streamed events a second at 256 streams
-    against a server that answers at once. A request takes the client with the fewest requests
-    in flight, so none has more than its connections."""
+    """The benchmark's kept-alive connections: one aiohttp session with a connection for every
+    request in flight. aiohttp rather than httpx: on a 2-core machine the client shares the
+    cores with the server it measures, and at 32 streams httpx took ~0.2 ms of CPU a streamed
+    token (5.5% of a core) and ~5 ms from a response's end to the next request reaching the
+    server, aiohttp 0.05 ms and ~2.5 ms (bench/results/intel-avx512-cpu-s50/); a closed loop's
+    server idles for that turnaround, and a cllm engine that waits for successors with it."""
 
-    PER_CLIENT = 16
-
-    def __init__(self, connections: int, timeout: httpx.Timeout | float,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        limits = httpx.Limits(max_connections=self.PER_CLIENT,
-                              max_keepalive_connections=self.PER_CLIENT)
-        count = max(1, math.ceil(connections / self.PER_CLIENT))
-        self._clients = [httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
-                         for _ in range(count)]
-        self._in_flight = [0] * count
-
-    @contextlib.asynccontextmanager
-    async def client(self) -> AsyncIterator[httpx.AsyncClient]:
-        i = min(range(len(self._clients)), key=self._in_flight.__getitem__)
-        self._in_flight[i] += 1
-        try:
-            yield self._clients[i]
-        finally:
-            self._in_flight[i] -= 1
+    def __init__(self, connections: int, timeout: float, connect_timeout: float = 30.0) -> None:
+        self._connections = connections
+        # Between bytes, not in all: a long generation streams for minutes.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
+                                              sock_read=timeout)
+        self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Connections:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._connections), timeout=self._timeout)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        for client in self._clients:
-            await client.aclose()
+        await self.session.close()
 
 
 class HttpTarget:
@@ -267,52 +254,45 @@ class HttpTarget:
     async def send(self, prompt: Prompt) -> RequestResult:
         start = time.perf_counter()
         try:
-            async with self.connections.client() as client:
-                if self.load.stream:
-                    return await self._send_streaming(client, prompt, start)
-                return await self._send_whole(client, prompt, start)
+            if self.load.stream:
+                return await self._send_streaming(prompt, start)
+            return await self._send_whole(prompt, start)
         except Exception as e:  # any failure is a result with its reason, never a lost request
             return RequestResult(start=start, end=time.perf_counter(),
                                  error=f"{type(e).__name__}: {e}".rstrip(": "))
 
-    async def _open(self, client: httpx.AsyncClient, prompt: Prompt
-                    ) -> tuple[httpx.Response, bool]:
+    async def _open(self, prompt: Prompt) -> tuple[aiohttp.ClientResponse, bool]:
         """The response, once its head has come, and whether the request was sent twice: a
         server may close a kept-alive connection as the request goes out on it (llama-server
         did, several times a level), and clients such as the openai SDK send it again on a new
         connection; so does this one, once, and the result says so."""
-        request = client.build_request("POST", self.endpoint_url, json=self.body(prompt))
+        body = self.body(prompt)
+        session = self.connections.session
         try:
-            return await client.send(request, stream=True), False
-        except httpx.RemoteProtocolError:
-            return await client.send(request, stream=True), True
+            return await session.post(self.endpoint_url, json=body), False
+        except aiohttp.ServerDisconnectedError:
+            return await session.post(self.endpoint_url, json=body), True
 
-    async def _send_streaming(self, client: httpx.AsyncClient, prompt: Prompt,
-                              start: float) -> RequestResult:
-        resp, resent = await self._open(client, prompt)
-        try:
-            if resp.status_code != 200:
+    async def _send_streaming(self, prompt: Prompt, start: float) -> RequestResult:
+        resp, resent = await self._open(prompt)
+        async with resp:
+            if resp.status != 200:
                 return await _http_failure(resp, start)
             parser = StreamParser(start)
-            async for line in resp.aiter_lines():
-                parser.feed(line, time.perf_counter())
+            async for line in resp.content:
+                parser.feed(line.decode(), time.perf_counter())
             result = parser.finish(time.perf_counter())
-        finally:
-            await resp.aclose()
         result.resent = resent
         return result
 
-    async def _send_whole(self, client: httpx.AsyncClient, prompt: Prompt,
-                          start: float) -> RequestResult:
-        resp, resent = await self._open(client, prompt)
-        try:
-            await resp.aread()
-        finally:
-            await resp.aclose()
-        if resp.status_code != 200:
-            return await _http_failure(resp, start)
+    async def _send_whole(self, prompt: Prompt, start: float) -> RequestResult:
+        resp, resent = await self._open(prompt)
+        async with resp:
+            if resp.status != 200:
+                return await _http_failure(resp, start)
+            content = await resp.read()
         end = time.perf_counter()
-        payload = resp.json()
+        payload = json.loads(content)
         usage = payload.get("usage") or {}
         choices = payload.get("choices") or [{}]
         # Without streaming the client sees the first token when it sees the whole answer.
@@ -326,24 +306,23 @@ class HttpTarget:
         return check_tokens(r)
 
 
-async def _http_failure(resp: httpx.Response, start: float) -> RequestResult:
-    text = (await resp.aread()).decode(errors="replace")
+async def _http_failure(resp: aiohttp.ClientResponse, start: float) -> RequestResult:
+    text = (await resp.read()).decode(errors="replace")
     try:
         message = error_message(json.loads(text).get("error", text))
     except (json.JSONDecodeError, AttributeError):
         message = text.strip()[:200]
     return RequestResult(start=start, end=time.perf_counter(),
-                         error=f"HTTP {resp.status_code}: {message}".rstrip(": "))
+                         error=f"HTTP {resp.status}: {message}".rstrip(": "))
 
 
 async def first_model(connections: Connections, url: str) -> str:
     """The id of the first model GET /v1/models lists."""
     try:
-        async with connections.client() as client:
-            resp = await client.get(url.rstrip("/") + "/v1/models")
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:
+        async with connections.session.get(url.rstrip("/") + "/v1/models") as resp:
+            resp.raise_for_status()
+            return json.loads(await resp.read())["data"][0]["id"]
+    except (aiohttp.ClientError, TimeoutError, ValueError, LookupError, TypeError) as e:
         raise SystemExit(f"cannot learn the model name from {url}/v1/models ({e}); pass --model")
 
 

@@ -1,10 +1,12 @@
-"""Each workload's level plans, and conversations against a fake chat server (httpx's
-MockTransport) that answers with a reply naming the turn it was asked."""
+"""Each workload's level plans, and conversations against a fake chat server (aiohttp's
+test server on 127.0.0.1) that answers with a reply naming the turn it was asked."""
 import asyncio
+import contextlib
 import json
 
-import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from cllm.bench import prompts
 from cllm.bench.cli import load_settings, parse_args
@@ -68,39 +70,46 @@ def test_multi_turn_plan():
     assert len({c.system for c in low.conversations + high.conversations}) == 6
 
 
-def _chat_server(requests: list[dict], fail_at_turn: int | None = None):
+@contextlib.asynccontextmanager
+async def _chat_server(requests: list[dict], fail_at_turn: int | None = None):
     """Replies 'reply N' to a history with N user messages; with usage and llama-server's
-    timings, cached = the prompt up to the last user message."""
-    def handle(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    timings, cached = the prompt up to the last user message. Yields its URL."""
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.json()
         requests.append(body)
         turn = sum(m["role"] == "user" for m in body["messages"])
         if turn == fail_at_turn:
-            return httpx.Response(500, json={"error": {"message": "boom"}})
+            return web.json_response({"error": {"message": "boom"}}, status=500)
         usage = {"prompt_tokens": 10 * turn, "completion_tokens": 2}
         timings = {"cache_n": 10 * (turn - 1)}
         if not body["stream"]:
-            return httpx.Response(200, json={
+            return web.json_response({
                 "choices": [{"message": {"role": "assistant", "content": f"reply {turn}"},
                              "finish_reason": "length"}], "usage": usage, "timings": timings})
         chunks = [{"choices": [{"delta": {"content": f"reply {turn}"}}]},
                   {"choices": [], "usage": usage, "timings": timings}]
         sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
-    return httpx.MockTransport(handle)
+        return web.Response(text=sse, content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    async with TestServer(app, host="127.0.0.1") as server:
+        yield str(server.make_url("/"))
 
 
-async def _converse(conversation: Conversation, transport, *argv: str):
+async def _converse(conversation: Conversation, sent: list[dict], *argv: str,
+                    fail_at_turn: int | None = None):
     load = load_settings(parse_args(["--url", "u", "--workload", "multi-turn", *argv]))
-    async with Connections(1, timeout=5, transport=transport) as connections:
-        return await conversation.run(HttpTarget("http://fake", "m", load, connections).send)
+    async with (_chat_server(sent, fail_at_turn) as url,
+                Connections(1, timeout=5) as connections):
+        return await conversation.run(HttpTarget(url, "m", load, connections).send)
 
 
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
 def test_each_turn_resends_the_history_with_the_servers_replies(stream):
     sent: list[dict] = []
     conversation = Conversation("notes", ["q1", "q2", "q3"])
-    results = asyncio.run(_converse(conversation, _chat_server(sent), stream))
+    results = asyncio.run(_converse(conversation, sent, stream))
     assert [r.text for r in results] == ["reply 1", "reply 2", "reply 3"]
     assert [m["content"] for m in sent[2]["messages"]] == [
         "notes", "q1", "reply 1", "q2", "reply 2", "q3"]
@@ -114,14 +123,14 @@ def test_cache_prompt_is_sent_only_when_asked():
     for argv, expected in (((), None), (("--cache-prompt",), True),
                            (("--no-cache-prompt",), False)):
         sent: list[dict] = []
-        asyncio.run(_converse(Conversation("s", ["q"]), _chat_server(sent), *argv))
+        asyncio.run(_converse(Conversation("s", ["q"]), sent, *argv))
         assert sent[0].get("cache_prompt") is expected
 
 
 def test_a_failed_turn_ends_its_conversation():
     sent: list[dict] = []
     conversation = Conversation("notes", ["q1", "q2", "q3", "q4"])
-    results = asyncio.run(_converse(conversation, _chat_server(sent, fail_at_turn=2)))
+    results = asyncio.run(_converse(conversation, sent, fail_at_turn=2))
     assert len(sent) == 2 and len(results) == 4 and results[0].ok
     assert results[1].error == "HTTP 500: boom"
     assert [r.error for r in results[2:]] == [SKIPPED, SKIPPED]
@@ -133,8 +142,8 @@ def test_level_plan_runs_conversations_with_figures_per_turn():
     load = load_settings(parse_args(["--url", "u", "--workload", "multi-turn"]))
 
     async def run():
-        async with Connections(4, timeout=5, transport=_chat_server(sent)) as connections:
-            return await plan.run(HttpTarget("http://fake", "m", load, connections).send,
+        async with _chat_server(sent) as url, Connections(4, timeout=5) as connections:
+            return await plan.run(HttpTarget(url, "m", load, connections).send,
                                   Level(concurrency=4))
 
     results, duration, figures = asyncio.run(run())
