@@ -254,12 +254,17 @@ class HttpTarget:
     async def send(self, prompt: Prompt) -> RequestResult:
         start = time.perf_counter()
         try:
-            if self.load.stream:
-                return await self._send_streaming(prompt, start)
-            return await self._send_whole(prompt, start)
+            send = self._send_streaming if self.load.stream else self._send_whole
+            result = await send(prompt, start)
         except Exception as e:  # any failure is a result with its reason, never a lost request
-            return RequestResult(start=start, end=time.perf_counter(),
-                                 error=f"{type(e).__name__}: {e}".rstrip(": "))
+            result = RequestResult(start=start, end=time.perf_counter(),
+                                   error=f"{type(e).__name__}: {e}".rstrip(": "))
+        # One pass of the event loop before the caller's next request: a server may close the
+        # connection right after a response, saying nothing (llama-server does after every
+        # stream), and the session must see that close to open a new connection rather than
+        # send the next request on the dead one.
+        await asyncio.sleep(0)
+        return result
 
     async def _open(self, prompt: Prompt) -> tuple[aiohttp.ClientResponse, bool]:
         """The response, once its head has come, and whether the request was sent twice: a
@@ -270,7 +275,9 @@ class HttpTarget:
         session = self.connections.session
         try:
             return await session.post(self.endpoint_url, json=body), False
-        except aiohttp.ServerDisconnectedError:
+        except aiohttp.ClientConnectorError:  # no connection at all: nothing to send again
+            raise
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             return await session.post(self.endpoint_url, json=body), True
 
     async def _send_streaming(self, prompt: Prompt, start: float) -> RequestResult:

@@ -2,6 +2,7 @@
 
 Not a model stand-in: it exercises the load generator's handling of what servers send back."""
 import asyncio
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,14 +69,30 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
 
-@pytest.fixture(scope="module")
-def url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+class _ClosingAfterEachResponse(_Handler):
+    """Keeps connections alive (HTTP/1.1, no Connection: close) yet closes each one after its
+    response, as llama-server does after every stream."""
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        super().do_POST()
+        self.close_connection = True
+
+
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def url():
+    with _serving(_Handler) as url:
+        yield url
 
 
 async def _run(url: str, prompts: list[str], stream: bool, concurrency: int = 3):
@@ -133,3 +150,13 @@ def test_every_request_in_flight_has_its_own_connection(url):
     prompts = [f"meet {_MEETING.parties}"] * _MEETING.parties
     results, _ = asyncio.run(_run(url, prompts, stream=True, concurrency=_MEETING.parties))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_server_that_closes_after_each_response_gets_each_request_on_a_new_connection(stream):
+    prompts = ["ok"] * 8
+    with _serving(_ClosingAfterEachResponse) as url:
+        results, _ = asyncio.run(_run(url, prompts, stream, concurrency=1))
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    # Sent again only where the close came late (a race); on the dead connection, every time.
+    assert sum(r.resent for r in results) < len(prompts) // 2
