@@ -4,12 +4,13 @@ Every request ends either with tokens or with a recorded reason; nothing is drop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
@@ -208,14 +209,18 @@ class Connections:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                               sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
+        self.once: aiohttp.ClientSession | None = None  # each request on a connection of its own
 
     async def __aenter__(self) -> Connections:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._connections), timeout=self._timeout)
+        self.once = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                          timeout=self._timeout)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.session.close()
+        await self.once.close()
 
 
 class HttpTarget:
@@ -254,35 +259,37 @@ class HttpTarget:
     async def send(self, prompt: Prompt) -> RequestResult:
         start = time.perf_counter()
         try:
-            send = self._send_streaming if self.load.stream else self._send_whole
-            result = await send(prompt, start)
+            if self.load.stream:
+                return await self._send_streaming(prompt, start)
+            return await self._send_whole(prompt, start)
         except Exception as e:  # any failure is a result with its reason, never a lost request
-            result = RequestResult(start=start, end=time.perf_counter(),
-                                   error=f"{type(e).__name__}: {e}".rstrip(": "))
-        # One pass of the event loop before the caller's next request: a server may close the
-        # connection right after a response, saying nothing (llama-server does after every
-        # stream), and the session must see that close to open a new connection rather than
-        # send the next request on the dead one.
-        await asyncio.sleep(0)
-        return result
+            return RequestResult(start=start, end=time.perf_counter(),
+                                 error=f"{type(e).__name__}: {e}".rstrip(": "))
 
-    async def _open(self, prompt: Prompt) -> tuple[aiohttp.ClientResponse, bool]:
+    @contextlib.asynccontextmanager
+    async def _response(self, prompt: Prompt
+                        ) -> AsyncIterator[tuple[aiohttp.ClientResponse, bool]]:
         """The response, once its head has come, and whether the request was sent twice: a
         server may close a kept-alive connection as the request goes out on it (llama-server
-        did, several times a level), and clients such as the openai SDK send it again on a new
-        connection; so does this one, once, and the result says so."""
+        closes each after its stream, without saying so), and clients such as the openai SDK
+        send it again on a new connection; so does this one, once, and the result says so."""
         body = self.body(prompt)
-        session = self.connections.session
+        connections = self.connections
         try:
-            return await session.post(self.endpoint_url, json=body), False
+            resp, resent = await connections.session.post(self.endpoint_url, json=body), False
         except aiohttp.ClientConnectorError:  # no connection at all: nothing to send again
             raise
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            return await session.post(self.endpoint_url, json=body), True
+            resp, resent = await connections.once.post(self.endpoint_url, json=body), True
+        async with resp:
+            yield resp, resent
+            # One pass of the event loop before the caller's next request: where the server
+            # closed the connection right after the response, the session sees it closed and
+            # opens a new one for the next request rather than fail on the dead one.
+            await asyncio.sleep(0)
 
     async def _send_streaming(self, prompt: Prompt, start: float) -> RequestResult:
-        resp, resent = await self._open(prompt)
-        async with resp:
+        async with self._response(prompt) as (resp, resent):
             if resp.status != 200:
                 return await _http_failure(resp, start)
             parser = StreamParser(start)
@@ -293,12 +300,11 @@ class HttpTarget:
         return result
 
     async def _send_whole(self, prompt: Prompt, start: float) -> RequestResult:
-        resp, resent = await self._open(prompt)
-        async with resp:
+        async with self._response(prompt) as (resp, resent):
             if resp.status != 200:
                 return await _http_failure(resp, start)
             content = await resp.read()
-        end = time.perf_counter()
+            end = time.perf_counter()
         payload = json.loads(content)
         usage = payload.get("usage") or {}
         choices = payload.get("choices") or [{}]
