@@ -200,8 +200,8 @@ class Connections:
     request in flight. aiohttp rather than httpx: on a 2-core machine the client shares the
     cores with the server it measures, and at 32 streams httpx took ~0.2 ms of CPU a streamed
     token (5.5% of a core) and ~5 ms from a response's end to the next request reaching the
-    server, aiohttp 0.05 ms and ~2.5 ms (bench/results/intel-avx512-cpu-s50/); a closed loop's
-    server idles for that turnaround, and a cllm engine that waits for successors with it."""
+    server, aiohttp 0.05 ms and ~2.5 ms (bench/results/intel-avx512-cpu-s50/). A closed loop's
+    server idles through that turnaround, and a cllm engine waiting for successors with it."""
 
     def __init__(self, connections: int, timeout: float, connect_timeout: float = 30.0) -> None:
         self._connections = connections
@@ -209,18 +209,18 @@ class Connections:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                               sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
-        self.once: aiohttp.ClientSession | None = None  # each request on a connection of its own
+        self.unpooled: aiohttp.ClientSession | None = None  # a new connection each request
 
     async def __aenter__(self) -> Connections:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._connections), timeout=self._timeout)
-        self.once = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                          timeout=self._timeout)
+        self.unpooled = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True), timeout=self._timeout)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.session.close()
-        await self.once.close()
+        await self.unpooled.close()
 
 
 class HttpTarget:
@@ -280,7 +280,7 @@ class HttpTarget:
         except aiohttp.ClientConnectorError:  # no connection at all: nothing to send again
             raise
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            resp, resent = await connections.once.post(self.endpoint_url, json=body), True
+            resp, resent = await connections.unpooled.post(self.endpoint_url, json=body), True
         async with resp:
             yield resp, resent
             # One pass of the event loop before the caller's next request: where the server
