@@ -203,10 +203,12 @@ class Connections:
     server, aiohttp 0.05 ms and ~2.5 ms (bench/results/intel-avx512-cpu-s50/). A closed loop's
     server idles through that turnaround, and a cllm engine waiting for successors with it."""
 
-    def __init__(self, connections: int, timeout: float, connect_timeout: float = 30.0) -> None:
+    CONNECT_TIMEOUT = 30.0  # seconds
+
+    def __init__(self, connections: int, timeout: float) -> None:
         self._connections = connections
         # Between bytes, not in all: a long generation streams for minutes.
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.CONNECT_TIMEOUT,
                                               sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
         self.unpooled: aiohttp.ClientSession | None = None  # a new connection each request

@@ -43,7 +43,7 @@ class _Handler(BaseHTTPRequestHandler):
                                        and prompt not in self.dropped):
             self.dropped.add(prompt)
             self.close_connection = True  # as a server closing a kept-alive connection
-        elif prompt.startswith("meet"):  # answers once all its peers are in flight too
+        elif prompt == "meet":  # answers once all its peers are in flight too
             _MEETING.wait()
             self._send(200, "text/event-stream", _sse(_TEXT, _TEXT, _USAGE))
         elif prompt in ("500", "429"):
@@ -150,7 +150,7 @@ def test_a_connection_closed_before_the_answer_is_sent_again_once(url, stream):
 def test_every_request_in_flight_has_its_own_connection(url):
     """A level of N streams keeps N requests at the server at once: none waits for a
     connection, which would count in its TTFT."""
-    prompts = [f"meet {_MEETING.parties}"] * _MEETING.parties
+    prompts = ["meet"] * _MEETING.parties
     results, _ = asyncio.run(_run(url, prompts, stream=True, concurrency=_MEETING.parties))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
 
