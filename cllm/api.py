@@ -349,7 +349,8 @@ def _tool_spec(body: dict) -> ToolSpec | None:
         raise _invalid("tools", "tools: two functions have the same name")
     if choice is None or choice in ("auto", "none", "required"):
         return ToolSpec(parsed, choice or "auto", None, parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise _invalid("tool_choice", 'tool_choice must be "auto", "none", "required" or '
                        '{"type": "function", "function": {"name": ...}}')

@@ -236,6 +236,8 @@ def test_tools_and_tool_choice_are_parsed():
     ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "h"}}},
      "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": None}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": "required", "json_schema": SCHEMA}, "tool_choice"),
 ])
