@@ -160,6 +160,13 @@ class Grammars:
         prototype = llguidance.LLMatcher(tokenizer, source, log_level=0)
         if prototype.is_error():
             raise GrammarError(prototype.get_error())
+        # A grammar no text can satisfy (a schema that is only a reference to itself) compiles,
+        # then fails at its first bitmask: found here, it is the request's 400, not a 500 after
+        # the prompt was computed. Once a grammar, as it is cached.
+        first = prototype.deep_copy()
+        first.compute_bitmask()
+        if first.is_error():
+            raise GrammarError(f"the grammar admits no text ({_first_line(first.get_error())})")
         return Grammar(source, prototype, self._model)
 
 
@@ -226,17 +233,25 @@ class MaskFiller:
                 ready[0] = 1  # also after a failure: the core must never wait forever
 
 
+def _first_line(error: str) -> str:
+    """A matcher's error without the parser state and grammar llguidance appends on the lines
+    after it: internals, and kilobytes of them, that a client's error has no use for."""
+    return error.split("\n", 1)[0]
+
+
 def matcher_failure(matcher: llguidance.LLMatcher) -> str | None:
     """What went wrong in a matcher that failed after it was built (computing a bitmask past a
     parser limit, say: it then lets only an end token through), else None."""
-    return f"the grammar failed: {matcher.get_error()}" if matcher.is_error() else None
+    if not matcher.is_error():
+        return None
+    return f"the grammar failed: {_first_line(matcher.get_error())}"
 
 
 def grammar_end(matcher: llguidance.LLMatcher, token: int) -> tuple[str, str | None] | None:
     """Feed a sequence's new token to its matcher: (finish reason, error) when the sequence
     ends there (its grammar is complete, or, a bug, refused the token), else None."""
     if not matcher.consume_token(token):
-        return FINISH_ERROR, f"the grammar refused a token: {matcher.get_error()}"
+        return FINISH_ERROR, f"the grammar refused a token: {_first_line(matcher.get_error())}"
     if matcher.is_stopped():
         return FINISH_STOP, None
     return None

@@ -119,6 +119,7 @@ def test_an_object_listing_its_properties_takes_no_others_unless_it_says_so(engi
     ("json_schema", {"$ref": "#/$defs/missing"}, "missing"),
     ("gbnf", "root ::= missing", "missing"),
     ("gbnf", "root ::= [a-z", "end of input"),
+    ("json_schema", {"$ref": "#"}, "admits no text"),  # compiles; fails at its first bitmask
 ])
 def test_a_bad_schema_or_grammar_is_an_error_naming_the_problem(engine, compile_, source, problem):
     with pytest.raises(GrammarError, match=re.escape(problem)):
@@ -208,6 +209,7 @@ def test_a_grammar_that_fails_while_generating_ends_its_request_with_the_error(e
         assert not re.fullmatch(r"The answer is (yes|no)\.", text)  # cut short
         assert final.finish_reason == "error", (ignore_eos, text, final)
         assert "Too many items" in final.error
+        assert "\n" not in final.error  # the failure, not the parser's state after it
     assert_idle(engine)
 
 
@@ -502,6 +504,7 @@ def test_gbnf_on_every_route(http):
      "foo"),
     ("json_schema", {"type": "string", "pattern": "(("}, "unclosed group"),
     ("grammar", "root ::= missing", "missing"),
+    ("json_schema", {"$ref": "#"}, "admits no text"),
 ])
 def test_a_bad_schema_is_a_400_naming_it_and_nothing_is_queued(http, field, value, problem):
     before = metrics(http)
