@@ -253,10 +253,11 @@ def _return_token_ids(body: dict) -> bool:
 # Fields that change the output but are not implemented yet: refused, never silently ignored.
 # Each maps to the values that ask for nothing (null, absent, and these), which are accepted.
 _NOT_IMPLEMENTED = {"logit_bias": ({},)}
+_NOT_IMPLEMENTED_IN_COMPLETIONS = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",)}
 
 
-def _refuse_unimplemented(body: dict) -> None:
-    for name, harmless in _NOT_IMPLEMENTED.items():
+def _refuse_unimplemented(body: dict, fields: dict = _NOT_IMPLEMENTED) -> None:
+    for name, harmless in fields.items():
         value = body.get(name)
         if value is not None and value not in harmless:
             raise _invalid(name, f"{name} is not supported yet")
@@ -381,7 +382,7 @@ def _prompt(value: object) -> str | list[int]:
 
 def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
     prompt = _prompt(body.get("prompt"))
-    _refuse_unimplemented(body)
+    _refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_COMPLETIONS)
     echo = _field(body, "echo", "a boolean", False)
     if echo:
         raise _invalid("echo", "echo is not supported")

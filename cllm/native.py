@@ -22,6 +22,10 @@ from cllm.server import (AppState, constrained, new_format, read_json, respond,
 
 # llama-server's sampling defaults (common_params_sampling), for fields a request leaves out.
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+# Its samplers cllm does not have, with the values that leave them off (their defaults): any
+# other is refused, never silently ignored.
+_NOT_IMPLEMENTED = {**api._NOT_IMPLEMENTED, "mirostat": (0,), "typical_p": (1,),
+                    "dynatemp_range": (0,), "xtc_probability": (0,), "dry_multiplier": (0,)}
 
 
 @dataclass(slots=True)
@@ -39,7 +43,7 @@ def parse_completion(body: dict, *, max_tokens_limit: int) -> NativeCompletionRe
     """llama-server's body: prompt (text or token ids), n_predict (-1: until the context is
     full), its sampling fields with its defaults, stream, cache_prompt, return_tokens."""
     prompt = api._prompt(body.get("prompt"))
-    api._refuse_unimplemented(body)
+    api._refuse_unimplemented(body, _NOT_IMPLEMENTED)
     if api._field(body, "n_probs", "an integer", 0):
         raise APIError(400, "n_probs is not supported on /completion; use /v1/completions "
                        "with logprobs", param="n_probs")

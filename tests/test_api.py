@@ -181,6 +181,9 @@ def test_fields_that_would_change_the_output_are_refused_until_implemented():
     for parse in (completion, chat):
         err = rejects(lambda: parse(logit_bias={"50256": -100}), "logit_bias")
         assert "not supported" in err.message
+    rejects(lambda: completion(best_of=3), "best_of")
+    rejects(lambda: completion(suffix="end"), "suffix")
+    assert completion(best_of=1, suffix="").n == 1  # what asks for nothing
 
 
 # ---- structured output and tools ----

@@ -31,6 +31,12 @@ def test_max_tokens_is_read_when_n_predict_is_absent():
     assert parse(n_predict=6, max_tokens=5).sampling.max_tokens == 6
 
 
+def test_samplers_cllm_lacks_are_accepted_at_the_values_that_leave_them_off():
+    req = parse(mirostat=0, typical_p=1.0, dynatemp_range=0.0, xtc_probability=0,
+                dry_multiplier=0.0)
+    assert req.sampling == parse().sampling
+
+
 def test_token_id_prompts():
     assert parse_completion({"prompt": [1, 2, 3]}, max_tokens_limit=10).prompt == [1, 2, 3]
 
@@ -40,6 +46,8 @@ def test_token_id_prompts():
     ({"n_predict": "5"}, "n_predict"), ({"prompt": ""}, "prompt"), ({"prompt": None}, "prompt"),
     ({"temperature": -1}, "temperature"), ({"n_probs": 3}, "n_probs"),
     ({"return_tokens": "yes"}, "return_tokens"),
+    ({"mirostat": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),  # would change the output
+    ({"dry_multiplier": 0.8}, "dry_multiplier"),
 ])
 def test_rejections_name_the_field(fields, param):
     with pytest.raises(APIError) as info:
