@@ -59,6 +59,10 @@ class KVCacheFullError(DecodeError):
     """No room in the KV cache for this batch: the scheduler should preempt and retry."""
 
 
+class DecodeAborted(DecodeError):
+    """The decode was stopped from another thread (Embedder.abort)."""
+
+
 cdef int _log_threshold = GGML_LOG_LEVEL_WARN
 
 
@@ -1295,6 +1299,10 @@ _POOLING = {"mean": LLAMA_POOLING_TYPE_MEAN, "cls": LLAMA_POOLING_TYPE_CLS,
             "last": LLAMA_POOLING_TYPE_LAST}
 
 
+cdef bint _flag_is_set(void * flag) noexcept nogil:
+    return (<int *> flag)[0] != 0
+
+
 cdef class Embedder:
     """A llama_context of its own over a Model, with embeddings on: `embed()` turns token
     sequences into one pooled, unit-length vector each, packing several sequences into each
@@ -1306,6 +1314,7 @@ cdef class Embedder:
     cdef readonly Model model
     cdef readonly int n_batch, n_seq_max, n_embd
     cdef readonly str pooling
+    cdef int aborting  # read by llama.cpp between graph nodes (_flag_is_set)
 
     def __cinit__(self, Model model, int n_ctx=2048, int n_seq_max=16, int n_threads=0,
                   str pooling="mean"):
@@ -1324,6 +1333,7 @@ cdef class Embedder:
         self.model = model
         self.ctx = _new_context(model, params, n_threads, f"an embeddings context "
                                 f"(n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        llama_set_abort_callback(self.ctx, _flag_is_set, &self.aborting)
         self.n_batch = llama_n_batch(self.ctx)  # n_ctx itself may be rounded up
         self.n_seq_max = llama_n_seq_max(self.ctx)
         self.n_embd = llama_model_n_embd_out(model.model)
@@ -1336,9 +1346,15 @@ cdef class Embedder:
         if self.ctx is not NULL:
             llama_free(self.ctx)
 
-    def embed(self, inputs):
+    def abort(self):
+        """Stop the decode in progress, from any thread: embed() raises DecodeAborted. One that
+        comes before the decode has begun (before `before_decode` has returned) stops nothing."""
+        self.aborting = 1
+
+    def embed(self, inputs, before_decode=None):
         """One array('f') of n_embd per input (a sequence of 1 to n_batch token ids), in order.
-        Not thread-safe: one caller at a time."""
+        Not thread-safe: one caller at a time. `before_decode()`, if given, is called before
+        each llama_decode: what it raises stops the call there (a request whose client left)."""
         for tokens in inputs:
             if not 0 < len(tokens) <= self.n_batch:
                 raise ValueError(f"an input has {len(tokens)} tokens; 1 to {self.n_batch} fit")
@@ -1352,6 +1368,9 @@ cdef class Embedder:
                    and used + len(inputs[end]) <= self.n_batch):
                 used += len(inputs[end])
                 end += 1
+            if before_decode is not None:
+                before_decode()
+            self.aborting = 0  # an abort() before here was for a decode that has ended
             out += self._embed_group(inputs[start:end])
             start = end
         return out
@@ -1371,6 +1390,8 @@ cdef class Embedder:
         llama_memory_clear(llama_get_memory(self.ctx), True)
         with nogil:
             rc = llama_decode(self.ctx, self.batch)
+        if rc == 2 and self.aborting:
+            raise DecodeAborted(rc, "the embedding batch was aborted")
         if rc != 0:
             raise DecodeError(rc, "embedding batch failed")
         return [self._unit_vector(s) for s in range(len(group))]

@@ -11,6 +11,7 @@ cdef extern from "ggml.h" nogil:
         GGML_LOG_LEVEL_ERROR
         GGML_LOG_LEVEL_CONT
     ctypedef void (*ggml_log_callback)(ggml_log_level level, const char * text, void * user_data) noexcept
+    ctypedef bint (*ggml_abort_callback)(void * data) noexcept
 
 
 cdef extern from "llama.h" nogil:
@@ -146,6 +147,8 @@ cdef extern from "llama.h" nogil:
     llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max)
     void llama_batch_free(llama_batch batch)
     int32_t llama_decode(llama_context * ctx, llama_batch batch)
+    void llama_set_abort_callback(llama_context * ctx, ggml_abort_callback abort_callback,
+                                  void * abort_callback_data)
     float * llama_get_logits(llama_context * ctx)
     float * llama_get_embeddings_seq(llama_context * ctx, llama_seq_id seq_id)
     ctypedef struct llama_perf_context_data:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import sys
+import threading
 from array import array
 from dataclasses import dataclass
 
@@ -13,9 +14,15 @@ from starlette.responses import JSONResponse, Response
 
 from cllm import api
 from cllm.api import APIError
-from cllm.server import AppState, read_json, tokenize_text
+from cllm.embedder import Stopped
+from cllm.server import AppState, read_json, tokenize_text, until_disconnect
 
-MAX_INPUTS = 2048  # OpenAI's limit per request
+MAX_INPUTS = 2048  # OpenAI's limits per request
+MAX_TOKENS = 300_000  # the inputs' tokens summed
+# Matryoshka truncation (OpenAI's `dimensions`) only some embedding models are trained for.
+_NOT_IMPLEMENTED = {"dimensions": ()}
+
+
 @dataclass(slots=True)
 class EmbeddingsRequest:
     inputs: list[str | list[int]]
@@ -25,6 +32,7 @@ class EmbeddingsRequest:
 def parse_embeddings(body: dict) -> EmbeddingsRequest:
     """input: a string, an array of strings, an array of token ids, or an array of arrays of
     token ids; encoding_format: float (default) or base64."""
+    api._refuse_unimplemented(body, _NOT_IMPLEMENTED)
     value = body.get("input")
     if isinstance(value, str) or (isinstance(value, list) and value
                                   and all(api._is_token(t) for t in value)):
@@ -68,8 +76,19 @@ async def embeddings(request: Request, state: AppState) -> Response:
                            code="context_length_exceeded")
         if max(tokens) >= engine.model.n_vocab:
             raise APIError(400, f"token ids must be below {engine.model.n_vocab}", param="input")
-    vectors = await asyncio.to_thread(state.embeddings.embed, inputs)
     n_tokens = sum(len(t) for t in inputs)
+    if n_tokens > MAX_TOKENS:
+        raise APIError(400, f"the inputs have {n_tokens} tokens; at most {MAX_TOKENS} a request",
+                       param="input")
+    stop = threading.Event()
+    try:
+        vectors = await until_disconnect(
+            request, asyncio.to_thread(state.embeddings.embed, inputs, stop))
+    except Stopped:
+        raise APIError(503, "the server is shutting down", type="server_error",
+                       code="shutting_down") from None
+    finally:  # the worker goes on unless told: its client may have left
+        state.embeddings.stop(stop)
     return JSONResponse({
         "object": "list", "model": state.model_name,
         "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.base64)}

@@ -8,6 +8,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from cllm.embedder import Embeddings
 from cllm.engine import Delta, Engine
 from cllm.steptimer import RUN_PARTS, StepTimer
 
@@ -27,6 +28,9 @@ class Metrics:
                               "Share of KV cells running requests hold", registry=r)
         self.preemptions = Gauge("cllm_preemptions_total",
                                  "Sequences preempted for lack of KV cells", registry=r)
+        self.embedding_requests = Gauge("cllm_embedding_requests_running",
+                                        "Embedding requests computing or waiting for their turn",
+                                        registry=r)
         self.cached_cells = Gauge("cllm_prefix_cache_cells",
                                   "KV cells holding cached prefixes no running request uses",
                                   registry=r)
@@ -48,8 +52,9 @@ class Metrics:
         self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
-    def watch(self, engine: Engine) -> None:
+    def watch(self, engine: Engine, embeddings: Embeddings) -> None:
         """Read the engine's live state on every scrape."""
+        self.embedding_requests.set_function(lambda: embeddings.running)
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_usage.set_function(lambda: engine.kv_usage)

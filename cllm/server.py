@@ -65,9 +65,9 @@ class AppState:
             template = ChatTemplate(None, bos_token=piece(model.bos_token),
                                     eos_token=piece(model.eos_token))
         self.renderer = TemplateRenderer(template, timeout=self.config.template_timeout)
-        self.metrics.watch(engine)
-        self.model_root = repo_id(model.metadata, self.config.engine.model) or self.model_name
         self.embeddings = Embeddings(engine)
+        self.metrics.watch(engine, self.embeddings)
+        self.model_root = repo_id(model.metadata, self.config.engine.model) or self.model_name
         self.engine = engine
 
     async def stop(self) -> None:
@@ -76,6 +76,8 @@ class AppState:
         self.stopping = True
         if self.renderer is not None:
             self.renderer.close()
+        if self.embeddings is not None:
+            self.embeddings.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 

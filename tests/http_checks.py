@@ -65,6 +65,15 @@ def metrics(http_or_url) -> dict[str, float]:
     return out
 
 
+def read_until_closed(sock, timeout: float) -> bytes:
+    """What a raw socket receives until the server closes it."""
+    sock.settimeout(timeout)
+    out = b""
+    while chunk := sock.recv(4096):
+        out += chunk
+    return out
+
+
 def wait_for_metric(url: str, name: str, predicate, timeout: float = 10.0) -> float:
     """Poll /metrics until predicate(value of name) holds; the last value either way."""
     deadline = time.monotonic() + timeout

@@ -865,6 +865,46 @@ def test_embedder_packs_inputs_and_each_vector_is_its_own(model):
     assert together[0] != together[1]
 
 
+def test_embedder_calls_back_before_each_decode_and_stops_where_the_callback_raises(model):
+    embedder = _core.Embedder(model, n_ctx=64, n_seq_max=2, n_threads=1)
+    inputs = [model.tokenize(t) for t in ["One.", "Two.", "Three.", "Four.", "Five."]]
+    calls = []
+    assert len(embedder.embed(inputs, lambda: calls.append(len(calls)))) == 5
+    assert calls == [0, 1, 2]  # two inputs a decode
+
+    def stop_at_the_second():
+        calls.append(None)
+        if len(calls) == 2:
+            raise InterruptedError
+
+    calls.clear()
+    with pytest.raises(InterruptedError):
+        embedder.embed(inputs, stop_at_the_second)
+    assert len(calls) == 2
+    assert len(embedder.embed(inputs[:1])) == 1  # and it embeds again after
+
+
+def test_embedder_abort_stops_the_decode_in_progress_from_another_thread(model):
+    embedder = _core.Embedder(model, n_ctx=512, n_seq_max=1, n_threads=1)
+    inputs = [[1] * 500] * 8  # a decode each
+    decodes, failure = [], []
+
+    def embed():
+        try:
+            embedder.embed(inputs, lambda: decodes.append(1))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            failure.append(e)
+
+    worker = threading.Thread(target=embed)
+    worker.start()
+    while worker.is_alive():  # an abort before a decode has begun stops nothing: repeat it
+        embedder.abort()
+        time.sleep(0.005)
+    assert len(failure) == 1 and isinstance(failure[0], _core.DecodeAborted), failure
+    assert len(decodes) < len(inputs)
+    assert len(embedder.embed(inputs[:1])) == 1  # and it embeds again after
+
+
 @pytest.mark.parametrize("tokens, words", [([], "1 to 64"), (list(range(65)), "1 to 64"),
                                            ([10**6], "token ids")])
 def test_embedder_rejects_inputs_that_cannot_fit(model, tokens, words):

@@ -2,7 +2,9 @@
 (which asks for base64 unless told otherwise) and raw HTTP."""
 from __future__ import annotations
 
+import json
 import math
+import socket
 
 import httpx
 import openai
@@ -10,8 +12,8 @@ import pytest
 
 from cllm.api import APIError
 from cllm.embedder import pooling_of
-from cllm.embeddings import MAX_INPUTS, parse_embeddings
-from http_checks import assert_error
+from cllm.embeddings import MAX_INPUTS, MAX_TOKENS, parse_embeddings
+from http_checks import assert_error, read_until_closed, wait_for_metric
 from server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
@@ -35,6 +37,7 @@ def test_input_forms(value, expected):
     ({"input": [1, "a"]}, "input"), ({"input": [-1]}, "input"), ({"input": {"a": 1}}, "input"),
     ({"input": ["x"] * (MAX_INPUTS + 1)}, "input"),
     ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "x", "dimensions": 5}, "dimensions"),  # would change the output
 ])
 def test_bad_input_is_a_400_naming_the_field(body, param):
     with pytest.raises(APIError) as info:
@@ -101,3 +104,53 @@ def test_bad_requests_get_openai_shaped_400s(server, client):
     assert_error(too_long, 400, code="context_length_exceeded")
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=MODEL, input=[])
+
+
+# ---- long requests ----
+
+RUNNING = "cllm_embedding_requests_running"
+# A hundred and twenty-eight decodes of 16 inputs: minutes of work on a CPU, a second or two
+# a decode, which is as long as another request may wait for its turn.
+LARGE = {"input": [[1] * 16] * MAX_INPUTS}
+
+
+def send_unread(srv: ServerProcess, body: dict) -> socket.socket:
+    """POST `body` to /v1/embeddings on a connection of its own, its response unread: closing
+    the socket is the client leaving."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+                 + data)
+    return sock
+
+
+def test_a_request_over_the_token_limit_is_a_400(server):
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": [[1] * 300] * 1001}, timeout=60)
+    error = assert_error(r, 400)
+    assert error["param"] == "input" and str(MAX_TOKENS) in error["message"]
+
+
+def test_a_small_request_goes_between_a_large_ones_decodes_and_a_client_leaving_stops_it(
+        server):
+    large = send_unread(server, LARGE)
+    try:
+        assert wait_for_metric(server.url, RUNNING, lambda n: n == 1, timeout=60) == 1
+        small = httpx.post(server.url + "/v1/embeddings", json={"input": "Hello"}, timeout=60)
+        assert small.status_code == 200 and len(small.json()["data"]) == 1
+        assert wait_for_metric(server.url, RUNNING, lambda n: True) == 1  # the large one goes on
+    finally:
+        large.close()
+    assert wait_for_metric(server.url, RUNNING, lambda n: n == 0, timeout=60) == 0
+
+
+def test_sigterm_past_the_grace_period_stops_an_embedding_request_with_a_503():
+    with ServerProcess("--shutdown-grace", "1") as srv:
+        with send_unread(srv, LARGE) as large:
+            assert wait_for_metric(srv.url, RUNNING, lambda n: n == 1, timeout=60) == 1
+            srv.terminate()
+            assert srv.wait(timeout=60) == 0, srv.log
+            reply = read_until_closed(large, timeout=30)
+        assert reply.startswith(b"HTTP/1.1 503 "), reply[:300]
+        assert b'"shutting_down"' in reply
+        assert "Traceback" not in srv.log

@@ -27,8 +27,8 @@ from cllm.chat_template import ChatTemplate
 from cllm.config import ServerConfig
 from cllm.metrics import step_timer_counts
 from cllm.server import AppState, guarded
-from http_checks import (StreamGaps, assert_error, metrics, post_stream, sse_payloads,
-                         wait_for_metric)
+from http_checks import (StreamGaps, assert_error, metrics, post_stream, read_until_closed,
+                         sse_payloads, wait_for_metric)
 from server_process import ServerProcess
 from test_core import ON_GPU_NOT_BATCH_INVARIANT
 
@@ -598,14 +598,6 @@ def test_queue_full_is_429_with_retry_after():
         assert metrics(http)['cllm_request_failure_total{code="429"}'] == 4
 
 
-def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
-    sock.settimeout(timeout)
-    out = b""
-    while chunk := sock.recv(4096):
-        out += chunk
-    return out
-
-
 def test_slow_clients_are_cut_off():
     """Connections that stall mid-headers or mid-body are closed after --client-timeout; the
     server answers others meanwhile."""
@@ -622,8 +614,8 @@ def test_slow_clients_are_cut_off():
                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
             assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
             for sock in stalled[:-1]:
-                assert _read_until_closed(sock, timeout=30) == b""
-            reply = _read_until_closed(body, timeout=30)
+                assert read_until_closed(sock, timeout=30) == b""
+            reply = read_until_closed(body, timeout=30)
             assert reply.startswith(b"HTTP/1.1 408 "), reply
             assert b'"code":"body_timeout"' in reply
         finally:
@@ -646,14 +638,14 @@ def test_headers_without_end_are_refused_and_the_server_goes_on(server):
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before the client was done
         try:
-            reply = _read_until_closed(sock, timeout=30)
+            reply = read_until_closed(sock, timeout=30)
         except ConnectionResetError:
             pass
     assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
     with socket.create_connection(("127.0.0.1", server.port)) as sock:  # under the cap
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"c" * 15_000
                      + b"\r\nConnection: close\r\n\r\n")
-        assert _read_until_closed(sock, timeout=30).startswith(b"HTTP/1.1 200 ")
+        assert read_until_closed(sock, timeout=30).startswith(b"HTTP/1.1 200 ")
 
 
 def test_pipelined_requests_on_one_connection_are_all_answered(server):
@@ -663,7 +655,7 @@ def test_pipelined_requests_on_one_connection_are_all_answered(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(request * 2 + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                    b"Connection: close\r\n\r\n")
-        replies = _read_until_closed(sock, timeout=30)
+        replies = read_until_closed(sock, timeout=30)
     assert replies.count(b"HTTP/1.1 200 ") == 3, replies[:500]
     assert replies.count(b'"object":"list"') == 2
 
