@@ -5,8 +5,8 @@ first request), not in the generating one: they need every token's hidden state 
 input rather than a sampled token, llama.cpp switches that per context, and a separate context
 leaves the engine's KV cache and prefix cache untouched. It shares the model's weights. One
 decode at a time, several inputs per llama_decode, with the GIL released; requests take turns
-decode by decode, so a small request is not held behind a large one, and a request stops at its
-next decode once told to (its client left)."""
+decode by decode, so a small request is not held behind a large one, and a request told to stop
+(its client left, the server is stopping) stops at once, its decode in progress aborted."""
 from __future__ import annotations
 
 import threading
@@ -30,7 +30,7 @@ def pooling_of(metadata: dict[str, str]) -> str:
 
 
 class Stopped(Exception):
-    """An embedding request was stopped before its next decode."""
+    """An embedding request was stopped: before its next decode, or in one (aborted)."""
 
 
 class Turns:
