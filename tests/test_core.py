@@ -144,6 +144,29 @@ def test_a_decode_row_alone_and_among_fifteen_others_has_the_same_logprobs(ctx, 
     assert len(alone[1]) == 5
 
 
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_a_decode_row_past_512_cells_alone_and_beside_another_has_the_same_logprobs(model):
+    """ggml's flash attention splits a lone one-row query's cells among the threads from 512
+    cells on and adds the parts up in another order than row by row, which it computes beside
+    other streams' rows: greedy texts past ~256 tokens then changed with a prefix-cache hit or
+    with n > 1 (vendor/patches/ggml-cpu-flash-attn-unsplit-kv.patch)."""
+    ctx = _core.Context(model, n_ctx=2 * 1024, n_seq_max=2, n_batch=512, n_threads=2,
+                        kv_unified=False)
+    tokens = model.tokenize(" ".join(f"item {i} is on shelf {i % 7}." for i in range(90)))
+    assert len(tokens) > 600
+    for start in range(0, len(tokens) - 1, 512):  # all but the last, in pieces a step fits
+        piece = tokens[start:min(start + 512, len(tokens) - 1)]
+        ctx.step(ints([0]), ints([start]), ints([len(piece)]), ints([0]), ints(piece))
+    last, end = tokens[-1:], len(tokens) - 1
+    _, alone = ctx.step(ints([0]), ints([end]), ints([1]), ints([1]), ints(last), ints([5]))
+    ctx.share_prefix(0, 0, end)  # back to before that row
+    beside = model.tokenize("Another stream")
+    ctx.step(ints([1]), ints([0]), ints([len(beside)]), ints([0]), ints(beside))
+    _, both = ctx.step(ints([0, 1]), ints([end, len(beside)]), ints([1, 1]), ints([1, 1]),
+                       ints(last + [beside[-1]]), ints([5, -1]))
+    assert both.row(0) == alone.row(0)
+
+
 def test_removed_ids_are_reused_with_clean_state(ctx, model):
     first = generate_together(ctx, model, ["Once upon a time"], 8, seq_ids=[7])[0]
     generate_together(ctx, model, ["Water boils at"], 8, seq_ids=[7])
