@@ -252,8 +252,14 @@ def _return_token_ids(body: dict) -> bool:
 
 # Fields that change the output but are not implemented yet: refused, never silently ignored.
 # Each maps to the values that ask for nothing (null, absent, and these), which are accepted.
-_NOT_IMPLEMENTED = {"logit_bias": ({},)}
+_NOT_IMPLEMENTED = {"logit_bias": ({},),
+                    # vLLM's own sampling fields
+                    "min_tokens": (0,), "repetition_penalty": (1,), "stop_token_ids": ([],),
+                    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,)}
 _NOT_IMPLEMENTED_IN_COMPLETIONS = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",)}
+# vLLM's chat template switches: a reply always starts a new assistant turn.
+_NOT_IMPLEMENTED_IN_CHAT = {**_NOT_IMPLEMENTED, "echo": (False,), "add_generation_prompt": (True,),
+                            "continue_final_message": (False,), "chat_template_kwargs": ({},)}
 
 
 def _refuse_unimplemented(body: dict, fields: dict = _NOT_IMPLEMENTED) -> None:
@@ -455,7 +461,7 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     """Without max_tokens (or max_completion_tokens, its newer name) a reply may run until the
     context is full: max_tokens_limit."""
     messages = _messages(body.get("messages"))
-    _refuse_unimplemented(body)
+    _refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_CHAT)
     tools, constraint = _tool_spec(body), _constraint(body)
     if tools is not None and tools.choice in ("required", "function") and constraint:
         raise _invalid("tool_choice", f"tool_choice {tools.choice!r} constrains the reply "

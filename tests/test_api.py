@@ -184,6 +184,19 @@ def test_fields_that_would_change_the_output_are_refused_until_implemented():
     rejects(lambda: completion(best_of=3), "best_of")
     rejects(lambda: completion(suffix="end"), "suffix")
     assert completion(best_of=1, suffix="").n == 1  # what asks for nothing
+    vllm = {"min_tokens": 5, "repetition_penalty": 1.3, "stop_token_ids": [7042],
+            "include_stop_str_in_output": True, "skip_special_tokens": False}
+    for parse in (completion, chat):
+        for field, value in vllm.items():
+            rejects(lambda: parse(**{field: value}), field)
+    for field, value in {"echo": True, "add_generation_prompt": False,
+                         "continue_final_message": True,
+                         "chat_template_kwargs": {"enable_thinking": False}}.items():
+        rejects(lambda: chat(**{field: value}), field)
+    assert chat(min_tokens=0, repetition_penalty=1.0, stop_token_ids=[],
+                include_stop_str_in_output=False, skip_special_tokens=True, echo=False,
+                add_generation_prompt=True, continue_final_message=False,
+                chat_template_kwargs={}).n == 1
 
 
 # ---- structured output and tools ----
