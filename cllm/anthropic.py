@@ -110,7 +110,10 @@ class MessagesFormat(TypedEventsFormat):
                 "stop_sequence": sequence}
 
     def _usage(self, choice: Choice) -> dict:
-        return {"input_tokens": choice.prompt_tokens, "output_tokens": choice.completion_tokens,
+        """Anthropic's counts: input_tokens are those not read from the cache (OpenAI's
+        prompt_tokens count both)."""
+        return {"input_tokens": choice.prompt_tokens - choice.cached_tokens,
+                "output_tokens": choice.completion_tokens,
                 "cache_read_input_tokens": choice.cached_tokens}
 
     def _stop(self, choice: Choice) -> tuple[str, str | None]:

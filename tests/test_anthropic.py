@@ -73,7 +73,13 @@ def test_a_message_answers_as_chat_does(client, server):
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
     (block,) = m.content
     assert block.type == "text" and block.text == chat.choices[0].message.content
-    assert m.usage.input_tokens == chat.usage.prompt_tokens
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+    # Anthropic's input_tokens leave the cache's out; OpenAI's prompt_tokens count them.
+    again = client.messages.create(model=MODEL, max_tokens=30, messages=TURNS, extra_body=GREEDY)
+    assert again.usage.cache_read_input_tokens == chat.usage.prompt_tokens_details.cached_tokens
+    cached = again.usage.cache_read_input_tokens
+    assert again.usage.input_tokens == chat.usage.prompt_tokens - cached
     assert m.usage.output_tokens == chat.usage.completion_tokens
     assert m.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length"
                              else "end_turn")
@@ -109,7 +115,8 @@ def test_a_system_prompt_reaches_the_model(client):
     plain = client.messages.create(model=MODEL, max_tokens=1, messages=TURNS)
     system = client.messages.create(model=MODEL, max_tokens=1, messages=TURNS,
                                     system="You are a pirate who sails the seven seas. " * 10)
-    assert system.usage.input_tokens > plain.usage.input_tokens
+    assert (system.usage.input_tokens + system.usage.cache_read_input_tokens
+            > plain.usage.input_tokens + plain.usage.cache_read_input_tokens)
 
 
 def test_errors_have_anthropics_shape(client, server):
