@@ -102,9 +102,10 @@ def _call_schema(tool: Tool) -> dict:
 
 
 def call_grammar(spec: ToolSpec) -> str | None:
-    """A Lark grammar (llguidance's dialect) whose texts are one call, or with `parallel` one
-    or more, of the tool named by tool_choice or, for "required", of any tool. None when the
-    model chooses freely."""
+    """A Lark grammar (llguidance's dialect) whose texts are one call of the tool named by
+    tool_choice, or for "required" one call of any tool (one or more with `parallel`). None
+    when the model chooses freely. A named choice asks for that call, as vLLM reads it: the
+    same call again and again, until max_tokens, is what a small model did with more allowed."""
     if spec.choice == "function":
         schema = _call_schema(next(t for t in spec.tools if t.name == spec.name))
     elif spec.choice == "required":
@@ -114,7 +115,7 @@ def call_grammar(spec: ToolSpec) -> str | None:
     # Compact JSON: free whitespace is where a small model loses itself.
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
                                        "key_separator": ": "}}
-    calls = 'call ("\\n" call)*' if spec.parallel else "call"
+    calls = 'call ("\\n" call)*' if spec.parallel and spec.choice == "required" else "call"
     return (f"start: {calls}\n"
             f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
             f"body: %json {json.dumps(schema)}\n")

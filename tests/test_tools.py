@@ -86,12 +86,13 @@ def _accepts(grammar: str, text: str) -> bool:
     return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
 
 
-def test_the_named_choice_grammar_takes_exactly_calls_of_that_tool():
-    grammar = call_grammar(ToolSpec((WEATHER, TIME), "function", "get_weather", parallel=False))
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_named_choice_grammar_takes_exactly_one_call_of_that_tool(parallel):
+    grammar = call_grammar(ToolSpec((WEATHER, TIME), "function", "get_weather", parallel))
     assert _accepts(grammar, CALL)
     assert not _accepts(grammar, CALL.replace("get_weather", "get_time"))
     assert not _accepts(grammar, CALL.replace('"city"', '"town"'))
-    assert not _accepts(grammar, f"{CALL}\n{CALL}")  # parallel_tool_calls: false
+    assert not _accepts(grammar, f"{CALL}\n{CALL}")
 
 
 def test_the_required_choice_grammar_takes_any_tool_and_several_calls():
