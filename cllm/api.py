@@ -257,7 +257,7 @@ _NOT_IMPLEMENTED = {"logit_bias": ({},),
                     "min_tokens": (0,), "repetition_penalty": (1,), "stop_token_ids": ([],),
                     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,)}
 _NOT_IMPLEMENTED_IN_COMPLETIONS = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",)}
-# vLLM's chat template switches: a reply always starts a new assistant turn.
+# vLLM's chat switches: a reply always starts a new assistant turn and holds only the reply.
 _NOT_IMPLEMENTED_IN_CHAT = {**_NOT_IMPLEMENTED, "echo": (False,), "add_generation_prompt": (True,),
                             "continue_final_message": (False,), "chat_template_kwargs": ({},)}
 
