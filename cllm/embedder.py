@@ -66,13 +66,13 @@ class Embeddings:
         self._turns = Turns()
         self._closed = False
         self._decoding: threading.Event | None = None  # the stop of the request decoding now
-        self._aborting = threading.Lock()  # _decoding changes, or a stop aborts its decode
-        self._counting = threading.Lock()
         self.running = 0  # requests computing or waiting for their turn (/metrics)
+        # Guards both; a stop aborts a decode only while it is its request's.
+        self._lock = threading.Lock()
 
     def stop(self, stop: threading.Event) -> None:
         """Stop the request that brought `stop` (its client left); any thread."""
-        with self._aborting:
+        with self._lock:
             stop.set()
             if self._decoding is stop:
                 # Before its decode began this stops nothing, and the decode runs; the request
@@ -115,11 +115,11 @@ class Embeddings:
             self._count(-1)
 
     def _decode_of(self, stop: threading.Event | None) -> None:
-        with self._aborting:
+        with self._lock:
             self._decoding = stop
 
     def _count(self, change: int) -> None:
-        with self._counting:
+        with self._lock:
             self.running += change
 
     @property
