@@ -54,7 +54,6 @@ class CompletionRequest:
     n: int
     stream: bool
     include_usage: bool  # stream_options.include_usage
-    echo: bool
     sampling: SamplingParams
     cache_prompt: bool = True  # llama-server's field: False computes the whole prompt
     return_token_ids: bool = False  # vLLM's field: prompt and output token ids in the response
@@ -256,7 +255,8 @@ _NOT_IMPLEMENTED = {"logit_bias": ({},),
                     # vLLM's own sampling fields
                     "min_tokens": (0,), "repetition_penalty": (1,), "stop_token_ids": ([],),
                     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,)}
-_NOT_IMPLEMENTED_IN_COMPLETIONS = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",)}
+_NOT_IMPLEMENTED_IN_COMPLETIONS = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",),
+                                   "echo": (False,)}
 # vLLM's chat switches: a reply always starts a new assistant turn and holds only the reply.
 _NOT_IMPLEMENTED_IN_CHAT = {**_NOT_IMPLEMENTED, "echo": (False,), "add_generation_prompt": (True,),
                             "continue_final_message": (False,), "chat_template_kwargs": ({},)}
@@ -389,9 +389,6 @@ def _prompt(value: object) -> str | list[int]:
 def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
     prompt = _prompt(body.get("prompt"))
     _refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_COMPLETIONS)
-    echo = _field(body, "echo", "a boolean", False)
-    if echo:
-        raise _invalid("echo", "echo is not supported")
     max_tokens = _count(body, "max_tokens", 1, max_tokens_limit,
                         min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
     logprobs = _count(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
@@ -399,7 +396,7 @@ def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> Comple
     return CompletionRequest(
         model=_field(body, "model", "a string"), prompt=prompt,
         n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
-        echo=echo, sampling=_sampling(body, max_tokens, logprobs),
+        sampling=_sampling(body, max_tokens, logprobs),
         cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body),
         constraint=_constraint(body))
 

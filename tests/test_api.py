@@ -86,7 +86,7 @@ def test_json_body_rejections(raw, words):
 def test_completion_defaults():
     req = completion()
     assert req == CompletionRequest(model=None, prompt="Hello", n=1, stream=False,
-                                    include_usage=False, echo=False, sampling=SamplingParams())
+                                    include_usage=False, sampling=SamplingParams())
     assert req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0
 
 
