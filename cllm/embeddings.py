@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from cllm import api
 from cllm.api import APIError
 from cllm.embedder import Stopped
-from cllm.server import AppState, read_json, tokenize_text, until_disconnect
+from cllm.server import AppState, read_json, shutting_down, tokenize_text, until_disconnect
 
 MAX_INPUTS = 2048  # OpenAI's limits per request
 MAX_TOKENS = 300_000  # the inputs' tokens summed
@@ -85,8 +85,7 @@ async def embeddings(request: Request, state: AppState) -> Response:
         vectors = await until_disconnect(
             request, asyncio.to_thread(state.embeddings.embed, inputs, stop))
     except Stopped:
-        raise APIError(503, "the server is shutting down", type="server_error",
-                       code="shutting_down") from None
+        raise shutting_down() from None
     finally:  # the worker goes on unless told: its client may have left
         state.embeddings.stop(stop)
     return JSONResponse({

@@ -37,6 +37,11 @@ from cllm.structured import GrammarError
 log = logging.getLogger("cllm.server")
 
 
+def shutting_down() -> APIError:
+    """What a request gets once the server is stopping."""
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
 class AppState:
     """The engine (once loaded), the chat template's renderer and the metrics of one app."""
 
@@ -83,8 +88,7 @@ class AppState:
 
     def require_engine(self) -> Engine:
         if self.stopping:
-            raise APIError(503, "the server is shutting down", type="server_error",
-                           code="shutting_down")
+            raise shutting_down()
         if self.engine is None:
             message = self.load_error or "the model is loading"
             raise APIError(503, message, type="server_error", code="model_not_ready")
