@@ -2,12 +2,13 @@
 """llama.cpp bound directly: a Model, a Context with one KV cache shared by all sequences, and a
 batch step that decodes and samples every sequence with the GIL released."""
 import os
+import secrets
 from array import array
 
 from cllm.config import usable_cores
 
 from cpython cimport array as carray
-from cython.parallel cimport prange
+from cython.parallel cimport prange, threadid
 from libc.math cimport expf, logf, sqrt, INFINITY
 from libc.stdint cimport int32_t, uint32_t
 from libc.stdio cimport fputs, stderr
@@ -292,7 +293,7 @@ cdef llama_context * _new_context(Model model, llama_context_params params, int 
 
 
 cdef class Context:
-    """One llama_context for up to `n_seq_max` sequences, one sampler chain per sequence, and
+    """One llama_context for up to `n_seq_max` sequences, a sampler per sampled sequence, and
     `step()`, which decodes one batch and samples every row that asks for a token.
 
     The KV cache holds `n_ctx` cells. Unified, any sequence may use any cell; otherwise each
@@ -301,7 +302,9 @@ cdef class Context:
     sequences share its batches, nor on whether its prefix was computed in an earlier request."""
     cdef llama_context * ctx
     cdef llama_batch batch
-    cdef llama_sampler ** chains
+    # Per sequence that samples with a temperature or penalties (NULL: greedy): row_sampler.c
+    cdef cllm_row_sampler ** samplers
+    cdef cllm_sampler_scratch ** scratch  # per thread of the host's sampling
     cdef unsigned char * ban_eog  # per sequence: its end-of-generation tokens are never sampled
     # Backend sampling: per slot, the slot sampler attached when the context was made
     # (slot_sampler.c), and whether this slot's rows take the graph's token (else the host
@@ -309,7 +312,6 @@ cdef class Context:
     cdef llama_sampler ** graph_chains
     cdef cllm_slot_table * slot_table  # what they share: each slot's bias row on the device
     cdef unsigned char * in_graph
-    cdef llama_token_data * candidates  # a host sampler chain's work array, n_vocab entries
     cdef int * eog_ids
     cdef int n_eog, n_threads
     # One step's outputs to sample: sequence, batch index, and logits where greedy (else NULL).
@@ -393,25 +395,32 @@ cdef class Context:
         self.out_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_device_mask = <const uint32_t **> calloc(self.n_batch, sizeof(uint32_t *))
         self.out_tokens = <int *> malloc(self.n_batch * sizeof(int))
-        self.candidates = <llama_token_data *> malloc(self.n_vocab * sizeof(llama_token_data))
         if (self.out_seq is NULL or self.out_row is NULL
                 or self.out_idx is NULL or self.out_logits is NULL or self.out_tokens is NULL
                 or self.out_host is NULL or self.out_mask is NULL
-                or self.out_device_mask is NULL or self.candidates is NULL):
+                or self.out_device_mask is NULL):
             raise MemoryError()
+        self.scratch = <cllm_sampler_scratch **> calloc(self.n_threads,
+                                                        sizeof(cllm_sampler_scratch *))
+        if self.scratch is NULL:
+            raise MemoryError()
+        for i in range(self.n_threads):
+            self.scratch[i] = cllm_sampler_scratch_new(self.n_vocab)
+            if self.scratch[i] is NULL:
+                raise MemoryError()
 
     cdef void _alloc_sequences(self, int n_seq_max) except *:
         """The per-sequence arrays and the end-of-generation ids, before the context: the slot
         samplers llama.cpp attaches while making it are made from them."""
         self.n_seq_max = n_seq_max
-        self.chains = <llama_sampler **> calloc(n_seq_max, sizeof(llama_sampler *))
+        self.samplers = <cllm_row_sampler **> calloc(n_seq_max, sizeof(cllm_row_sampler *))
         self.ban_eog = <unsigned char *> calloc(n_seq_max, 1)
         self.graph_chains = <llama_sampler **> calloc(n_seq_max, sizeof(llama_sampler *))
         self.in_graph = <unsigned char *> calloc(n_seq_max, 1)
         eog = self.model.eog_tokens
         self.n_eog = len(eog)
         self.eog_ids = <int *> malloc(max(1, self.n_eog) * sizeof(int))
-        if (self.chains is NULL or self.ban_eog is NULL or self.graph_chains is NULL
+        if (self.samplers is NULL or self.ban_eog is NULL or self.graph_chains is NULL
                 or self.in_graph is NULL or self.eog_ids is NULL):
             raise MemoryError()
         for i, token in enumerate(eog):
@@ -447,11 +456,14 @@ cdef class Context:
 
     def __dealloc__(self):
         cdef int i
-        if self.chains is not NULL:
+        if self.samplers is not NULL:
             for i in range(self.n_seq_max):
-                if self.chains[i] is not NULL:
-                    llama_sampler_free(self.chains[i])
-            free(self.chains)
+                cllm_row_sampler_free(self.samplers[i])
+            free(self.samplers)
+        if self.scratch is not NULL:
+            for i in range(self.n_threads):
+                cllm_sampler_scratch_free(self.scratch[i])
+            free(self.scratch)
         free(self.ban_eog)
         free(self.eog_ids)
         free(self.out_seq)
@@ -462,7 +474,6 @@ cdef class Context:
         free(<void *> self.out_mask)
         free(<void *> self.out_device_mask)
         free(self.out_tokens)
-        free(self.candidates)
         if self.batch.token is not NULL:
             llama_batch_free(self.batch)
         if self.ctx is not NULL:
@@ -488,39 +499,25 @@ cdef class Context:
         argmax over the logits. `history` (e.g. the prompt) is what the penalties already saw.
         `ban_eog`: end-of-generation tokens are never sampled, so text runs on to its length.
         With `backend_sampling`, a greedy sequence is sampled inside the decode's graph (with a
-        bitmask, on the same device just after it), and its logits never reach the host, unless
-        `host_logits` (for log-probabilities)."""
+        bitmask, on the same device just after it), and so is one with a temperature and no
+        filter or penalty (with a bitmask, on the host): their logits never reach the host,
+        unless `host_logits` (for log-probabilities: the host then samples every row, and a
+        sampled row's logits become the distribution drawn from)."""
         self._check_seq(seq_id)
-        self._free_chain(seq_id)
+        self._free_sampler(seq_id)
         self._ban_eog(seq_id, ban_eog)
         cdef bint penalised = (repeat_penalty != 1.0 or presence_penalty != 0.0
                                or frequency_penalty != 0.0)
         cdef bint greedy = temperature <= 0.0 and not penalised
-        self.in_graph[seq_id] = self.backend_sampling and greedy and not host_logits
+        cdef bint drawn = (not greedy and not penalised and top_k <= 0 and top_p >= 1.0
+                           and min_p <= 0.0)
+        self.in_graph[seq_id] = self.backend_sampling and (greedy or drawn) and not host_logits
         if greedy:
             return
-        cdef llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params())
-        if ban_eog:
-            llama_sampler_chain_add(chain, self._eog_bias())
-        if penalised:
-            llama_sampler_chain_add(chain, llama_sampler_init_penalties(
-                self.n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
-        if temperature <= 0.0:
-            llama_sampler_chain_add(chain, llama_sampler_init_greedy())
-        else:
-            if top_k > 0:
-                llama_sampler_chain_add(chain, llama_sampler_init_top_k(top_k))
-            if top_p < 1.0:
-                llama_sampler_chain_add(chain, llama_sampler_init_top_p(top_p, 1))
-            if min_p > 0.0:
-                llama_sampler_chain_add(chain, llama_sampler_init_min_p(min_p, 1))
-            llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature))
-            llama_sampler_chain_add(chain, llama_sampler_init_dist(
-                0xFFFFFFFF if seed is None else (<unsigned int> (seed & 0xFFFFFFFF))))
-        if penalised:
-            for token in history[-penalty_last_n:] if penalty_last_n > 0 else history:
-                llama_sampler_accept(chain, token)
-        self.chains[seq_id] = chain
+        self.samplers[seq_id] = _new_row_sampler(
+            temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty,
+            frequency_penalty, penalty_last_n if penalised else 0, seed, history, host_logits)
+        self._draw_in_graph(seq_id)
 
     cdef void _ban_eog(self, int seq_id, bint ban):
         """Whether `seq_id` may sample end-of-generation tokens, on the host and in the graph
@@ -530,24 +527,25 @@ cdef class Context:
             llama_synchronize(self.ctx)  # no decode may still read the row
             cllm_slot_sampler_ban_eog(self.graph_chains[seq_id], ban)
 
-    cdef llama_sampler * _eog_bias(self) except NULL:
-        """A sampler that sets every end-of-generation token's logit to -inf."""
-        cdef llama_logit_bias * biases = <llama_logit_bias *> malloc(
-            max(1, self.n_eog) * sizeof(llama_logit_bias))
-        if biases is NULL:
-            raise MemoryError()
-        cdef int i
-        for i in range(self.n_eog):
-            biases[i].token = self.eog_ids[i]
-            biases[i].bias = -INFINITY
-        cdef llama_sampler * smpl = llama_sampler_init_logit_bias(self.n_vocab, self.n_eog, biases)
-        free(biases)  # the sampler keeps its own copy
-        return smpl
+    cdef void _draw_in_graph(self, int seq_id):
+        """Point the slot's graph sampler at the sequence's generator where the graph draws its
+        tokens, else back to the argmax (between decodes: the slot's tables change)."""
+        if not self.backend_sampling:
+            return
+        cdef llama_sampler * chain = self.graph_chains[seq_id]
+        cdef cllm_row_sampler * source = (self.samplers[seq_id] if self.in_graph[seq_id]
+                                          else NULL)
+        if source is NULL and not cllm_slot_sampler_draws(chain):
+            return
+        llama_synchronize(self.ctx)  # no decode may still read the tables or the generator
+        cllm_slot_sampler_draw(chain, source, cllm_row_sampler_params(source).temperature
+                               if source is not NULL else 0.0)
 
-    cdef void _free_chain(self, int seq_id):
-        if self.chains[seq_id] is not NULL:
-            llama_sampler_free(self.chains[seq_id])
-            self.chains[seq_id] = NULL
+    cdef void _free_sampler(self, int seq_id):
+        cdef cllm_row_sampler * sampler = self.samplers[seq_id]
+        self.samplers[seq_id] = NULL
+        self._draw_in_graph(seq_id)  # the graph lets go of it first
+        cllm_row_sampler_free(sampler)
 
     def park_sampler(self, int seq_id):
         """Take `seq_id`'s sampler out with its state (a seeded generator's position, the
@@ -555,30 +553,32 @@ cdef class Context:
         back, in whichever slot the sequence gets next."""
         self._check_seq(seq_id)
         cdef ParkedSampler parked = ParkedSampler.__new__(ParkedSampler)
-        parked.chain, parked.ban_eog = self.chains[seq_id], self.ban_eog[seq_id]
+        parked.sampler, parked.ban_eog = self.samplers[seq_id], self.ban_eog[seq_id]
         parked.in_graph = self.in_graph[seq_id]
-        self.chains[seq_id], self.ban_eog[seq_id] = NULL, 0
+        self.samplers[seq_id], self.ban_eog[seq_id] = NULL, 0
+        self._draw_in_graph(seq_id)
         return parked
 
     def restore_sampler(self, int seq_id, ParkedSampler parked):
         self._check_seq(seq_id)
-        self._free_chain(seq_id)
-        self.chains[seq_id] = parked.chain
+        self._free_sampler(seq_id)
+        self.samplers[seq_id] = parked.sampler
         self._ban_eog(seq_id, parked.ban_eog)
         self.in_graph[seq_id] = parked.in_graph
-        parked.chain = NULL
+        parked.sampler = NULL
+        self._draw_in_graph(seq_id)
 
     def remove_sequence(self, int seq_id):
         """Free every KV cell of `seq_id` and its sampler, so the id can start a new sequence."""
         self._check_seq(seq_id)
         llama_memory_seq_rm(llama_get_memory(self.ctx), seq_id, -1, -1)
-        self._free_chain(seq_id)
+        self._free_sampler(seq_id)
         self.ban_eog[seq_id] = 0
 
     def end_sequence(self, int seq_id):
         """Free `seq_id`'s sampler; its KV cells stay, as a prefix a later sequence may reuse."""
         self._check_seq(seq_id)
-        self._free_chain(seq_id)
+        self._free_sampler(seq_id)
         self.ban_eog[seq_id] = 0
 
     def share_prefix(self, int dst, int src, int length):
@@ -828,6 +828,9 @@ cdef class Context:
                         n += 1
             self._batch_run_step(n, rows, seq_ids, positions, last_tokens, tokens, counts,
                                  n_steps)
+            if hold:
+                for i in range(n):  # a held row's generator stays where its sequence left it
+                    cllm_slot_sampler_hold(self.graph_chains[seq_ids[rows[i]]], not live[rows[i]])
             t0 = _now()
             rc = llama_decode(self.ctx, self.batch)
             self._t_decode += _now() - t0
@@ -868,6 +871,9 @@ cdef class Context:
         if unheard:  # the last step's tokens, with no step after them
             self._end_constrained_rows(unheard, sampled, tokens, counts, budgets, n_steps,
                                        ended, False)
+        if hold:
+            for r in range(n_rows):
+                cllm_slot_sampler_hold(self.graph_chains[seq_ids[r]], False)
         free(rows)
         free(sampled)
         free(ended)
@@ -974,21 +980,19 @@ cdef class Context:
         """Sample the step's n outputs, in batch order, into out; out_seq and out_idx name each
         one's sequence and batch index, out_mask its bitmask of allowed tokens (or NULL). Rows
         sampled in the graph take its token, or with a bitmask the device's masked choice (the
-        host's, over their logits read back, where device_masks is off); those with a sampler
-        chain go in turn, the greedy ones by an argmax spread over the threads (on a GPU the
+        host's, over their logits read back, where device_masks is off). The host's rows are
+        spread over the threads, each masked first: the greedy ones by an argmax (on a GPU the
         logits of a 64-row step are 12 MB; one core scanning them took a third of the step),
-        each masked first in the same loop. The caller has waited for the step
+        the others by their sequence's row sampler (one after another, a 128k vocabulary's rows
+        held a 64-row step to ~490 tokens/s on an H200). The caller has waited for the step
         (llama_synchronize). out_host names where each output's logits lie on the host
         afterwards."""
-        cdef int i, n_greedy = 0
-        cdef llama_sampler * chain
+        cdef int i, work = 0
         cdef float ** logits = self.out_logits
-        cdef float * row
         self._await_masks(n)
         self._masked_on_device(n, out)
         self._host_logits(n)
         for i in range(n):
-            chain = self.chains[self.out_seq[i]]
             logits[i] = NULL
             if self.in_graph[self.out_seq[i]]:
                 if self.out_mask[i] == NULL:
@@ -997,39 +1001,40 @@ cdef class Context:
                 if self.out_device_mask[i] != NULL:
                     continue  # the device chose
             out[i] = -1
-            row = self.out_host[i]
-            if row is NULL:
-                continue
-            if chain is not NULL:
-                if self.out_mask[i] != NULL:
-                    _apply_mask(row, self.n_vocab, self.out_mask[i])
-                out[i] = self._sample_chain(chain, row)
-            else:
-                logits[i] = row
-                n_greedy += 1
-        cdef int threads = min(self.n_threads, max(1, n_greedy // _ROWS_PER_THREAD))
+            logits[i] = self.out_host[i]
+            if logits[i] is not NULL:
+                work += 1 if self.samplers[self.out_seq[i]] is NULL else _ROWS_PER_THREAD
+        cdef int threads = min(self.n_threads, max(1, work // _ROWS_PER_THREAD))
         cdef const unsigned char * ban = self.ban_eog
         cdef const int * seqs = self.out_seq
         cdef const int * eog = self.eog_ids
         cdef const uint32_t ** masks = self.out_mask
+        cdef cllm_row_sampler ** samplers = self.samplers
+        cdef cllm_sampler_scratch ** scratch = self.scratch
         cdef int n_eog = self.n_eog, n_vocab = self.n_vocab
-        for i in prange(n, num_threads=threads, schedule="static"):
+        for i in prange(n, num_threads=threads, schedule="dynamic"):
             if logits[i] is not NULL:
                 if masks[i] != NULL:
                     _apply_mask(logits[i], n_vocab, masks[i])
-                out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
+                if samplers[seqs[i]] is NULL:
+                    out[i] = _greedy(logits[i], n_vocab, eog, n_eog if ban[seqs[i]] else 0)
+                else:
+                    out[i] = cllm_row_sampler_sample(
+                        samplers[seqs[i]], logits[i], n_vocab, <const int32_t *> eog,
+                        n_eog if ban[seqs[i]] else 0, scratch[threadid()])
 
     cdef void _masked_on_device(self, int n, int * out) noexcept nogil:
-        """Give the rows sampled in the graph that have a bitmask the device's masked choice
-        (slot_sampler.c), marking them in out_device_mask: only their bitmasks go there and
-        their tokens come back, where reading their logits back took most of a constrained
-        64-row step's sampling on an H200 (the graph's own token ignores the bitmask). Where
-        the device fails, none is marked, and device_masks goes off for the context's life."""
+        """Give the greedy rows sampled in the graph that have a bitmask the device's masked
+        choice (slot_sampler.c), marking them in out_device_mask: only their bitmasks go there
+        and their tokens come back, where reading their logits back took most of a constrained
+        64-row step's sampling on an H200 (the graph's own token ignores the bitmask; a row
+        that draws is masked and drawn on the host). Where the device fails, none is marked,
+        and device_masks goes off for the context's life."""
         cdef int i, masked = 0
         for i in range(n):
             self.out_device_mask[i] = NULL
             if (self.device_masks and self.in_graph[self.out_seq[i]]
-                    and self.out_mask[i] != NULL):
+                    and self.samplers[self.out_seq[i]] is NULL and self.out_mask[i] != NULL):
                 self.out_device_mask[i] = self.out_mask[i]
                 masked += 1
         if masked and cllm_slot_table_masked_argmax(
@@ -1076,26 +1081,6 @@ cdef class Context:
             while i < j:
                 self.out_host[i] = rows + <size_t> self.out_seq[i] * self.n_vocab if read else NULL
                 i += 1
-
-    cdef int _sample_chain(self, llama_sampler * chain, const float * logits) noexcept nogil:
-        """The token `chain` picks from one row of logits, which it then accepts, as
-        llama_sampler_sample does (which takes the graph's token whenever the graph sampled);
-        -1 where no token was allowed (every logit -inf: llama.cpp's dist sampler would then
-        pick the last candidate), as _greedy answers."""
-        cdef int token
-        for token in range(self.n_vocab):
-            self.candidates[token].id = token
-            self.candidates[token].logit = logits[token]
-            self.candidates[token].p = 0.0
-        cdef llama_token_data_array cur
-        cur.data, cur.size, cur.selected, cur.sorted = self.candidates, self.n_vocab, -1, False
-        llama_sampler_apply(chain, &cur)
-        if (cur.selected < 0 or <size_t> cur.selected >= cur.size
-                or cur.data[cur.selected].logit == -INFINITY):
-            return -1
-        token = cur.data[cur.selected].id
-        llama_sampler_accept(chain, token)
-        return token
 
     cdef void _await_masks(self, int n) noexcept nogil:
         """Wait until the step's bitmasks are filled, if a row of these n outputs has one."""
@@ -1411,14 +1396,75 @@ cdef class Embedder:
         return vector
 
 
+cdef cllm_row_sampler * _new_row_sampler(
+        float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
+        float presence_penalty, float frequency_penalty, int penalty_last_n, seed, history,
+        bint keep_distribution) except NULL:
+    """A row sampler (row_sampler.c) that has seen the last `penalty_last_n` tokens of
+    `history`; seed None draws one."""
+    cdef cllm_sampling params
+    params.temperature, params.top_k, params.top_p, params.min_p = (
+        temperature, top_k, top_p, min_p)
+    params.repeat_penalty, params.presence_penalty, params.frequency_penalty = (
+        repeat_penalty, presence_penalty, frequency_penalty)
+    params.penalty_last_n = max(0, penalty_last_n)
+    params.seed = (secrets.randbits(64) if seed is None else seed) & 0xFFFFFFFFFFFFFFFF
+    params.keep_distribution = keep_distribution
+    cdef cllm_row_sampler * sampler = cllm_row_sampler_new(&params)
+    if sampler is NULL:
+        raise MemoryError()
+    for token in history[-penalty_last_n:] if penalty_last_n > 0 else ():
+        cllm_row_sampler_accept(sampler, token)
+    return sampler
+
+
+cdef class RowSampler:
+    """One sequence's sampler on the host, as a step samples a row with it: the parameters of
+    Context.set_sampler, drawing from logits given here (changed in place: bans, penalties and,
+    with `keep_distribution`, the distribution drawn from, whose log-softmax the row then is)."""
+    cdef cllm_row_sampler * sampler
+    cdef cllm_sampler_scratch * scratch
+    cdef int n_vocab
+
+    def __cinit__(self, int n_vocab, float temperature=1.0, int top_k=0, float top_p=1.0,
+                  float min_p=0.0, float repeat_penalty=1.0, float presence_penalty=0.0,
+                  float frequency_penalty=0.0, int penalty_last_n=64, seed=None, history=(),
+                  bint keep_distribution=False):
+        if n_vocab < 1:
+            raise ValueError("n_vocab must be positive")
+        self.n_vocab = n_vocab
+        self.sampler = _new_row_sampler(temperature, top_k, top_p, min_p, repeat_penalty,
+                                        presence_penalty, frequency_penalty, penalty_last_n,
+                                        seed, history, keep_distribution)
+        self.scratch = cllm_sampler_scratch_new(n_vocab)
+        if self.scratch is NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cllm_row_sampler_free(self.sampler)
+        cllm_sampler_scratch_free(self.scratch)
+
+    def sample(self, float[::1] logits, banned=()):
+        """The token drawn from `logits` (n_vocab of them) with `banned` tokens never drawn, and
+        accepted as the sequence's latest; -1 where no token is allowed."""
+        if logits.shape[0] != self.n_vocab:
+            raise ValueError(f"{logits.shape[0]} logits for a vocabulary of {self.n_vocab}")
+        cdef carray.array ids = array("i", banned)
+        for token in ids:
+            if not 0 <= token < self.n_vocab:
+                raise ValueError(f"banned token {token} outside the vocabulary")
+        return cllm_row_sampler_sample(self.sampler, &logits[0], self.n_vocab,
+                                       <const int32_t *> ids.data.as_ints, len(ids),
+                                       self.scratch)
+
+
 cdef class ParkedSampler:
     """A sequence's sampler while it is preempted (Context.park_sampler); freed if unused."""
-    cdef llama_sampler * chain
+    cdef cllm_row_sampler * sampler
     cdef unsigned char ban_eog, in_graph
 
     def __dealloc__(self):
-        if self.chain is not NULL:
-            llama_sampler_free(self.chain)
+        cllm_row_sampler_free(self.sampler)
 
 
 cdef class Logprobs:

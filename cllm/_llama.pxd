@@ -76,23 +76,8 @@ cdef extern from "llama.h" nogil:
         llama_sampler_seq_config * samplers
         size_t n_samplers
 
-    ctypedef struct llama_token_data:
-        llama_token id
-        float logit
-        float p
-
-    ctypedef struct llama_token_data_array:
-        llama_token_data * data
-        size_t size
-        int64_t selected
-        bint sorted
-
-    ctypedef struct llama_sampler_chain_params:
-        bint no_perf
-
     llama_model_params llama_model_default_params()
     llama_context_params llama_context_default_params()
-    llama_sampler_chain_params llama_sampler_chain_default_params()
 
     void llama_backend_init()
     void llama_log_set(ggml_log_callback log_callback, void * user_data)
@@ -161,28 +146,37 @@ cdef extern from "llama.h" nogil:
         int32_t n_reused
     llama_perf_context_data llama_perf_context(const llama_context * ctx)
 
-    llama_sampler * llama_sampler_chain_init(llama_sampler_chain_params params)
-    void llama_sampler_chain_add(llama_sampler * chain, llama_sampler * smpl)
     void llama_sampler_free(llama_sampler * smpl)
-    void llama_sampler_accept(llama_sampler * smpl, llama_token token)
-    void llama_sampler_apply(llama_sampler * smpl, llama_token_data_array * cur_p)
     bint llama_set_sampler(llama_context * ctx, llama_seq_id seq_id, llama_sampler * smpl)
     void llama_synchronize(llama_context * ctx)
     llama_token llama_get_sampled_token_ith(llama_context * ctx, int32_t i)
-    llama_sampler * llama_sampler_init_greedy()
-    llama_sampler * llama_sampler_init_dist(uint32_t seed)
-    llama_sampler * llama_sampler_init_top_k(int32_t k)
-    llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep)
-    llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep)
-    llama_sampler * llama_sampler_init_temp(float t)
-    ctypedef struct llama_logit_bias:
-        llama_token token
-        float bias
-    llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
-                                                  const llama_logit_bias * logit_bias)
-    llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
-                                                 float penalty_repeat, float penalty_freq,
-                                                 float penalty_present)
+
+
+cdef extern from "row_sampler.h" nogil:
+    cdef struct cllm_sampling:
+        float temperature
+        int32_t top_k
+        float top_p
+        float min_p
+        float repeat_penalty
+        float presence_penalty
+        float frequency_penalty
+        int32_t penalty_last_n
+        uint64_t seed
+        int keep_distribution
+    cdef struct cllm_row_sampler:
+        pass
+    cdef struct cllm_sampler_scratch:
+        pass
+    cllm_row_sampler * cllm_row_sampler_new(const cllm_sampling * params)
+    void cllm_row_sampler_free(cllm_row_sampler * sampler)
+    void cllm_row_sampler_accept(cllm_row_sampler * sampler, int32_t token)
+    const cllm_sampling * cllm_row_sampler_params(const cllm_row_sampler * sampler)
+    cllm_sampler_scratch * cllm_sampler_scratch_new(int32_t n_vocab)
+    void cllm_sampler_scratch_free(cllm_sampler_scratch * scratch)
+    int32_t cllm_row_sampler_sample(cllm_row_sampler * sampler, float * logits, int32_t n_vocab,
+                                    const int32_t * banned, int32_t n_banned,
+                                    cllm_sampler_scratch * scratch)
 
 
 cdef extern from "slot_sampler.h" nogil:
@@ -195,6 +189,9 @@ cdef extern from "slot_sampler.h" nogil:
     llama_sampler * cllm_slot_sampler_new(cllm_slot_table * table, int32_t slot)
     bint cllm_slot_sampler_bans_eog(llama_sampler * chain)
     void cllm_slot_sampler_ban_eog(llama_sampler * chain, bint ban)
+    void cllm_slot_sampler_draw(llama_sampler * chain, cllm_row_sampler * source, float temperature)
+    bint cllm_slot_sampler_draws(llama_sampler * chain)
+    void cllm_slot_sampler_hold(llama_sampler * chain, bint held)
     float * cllm_slot_table_host_rows(const cllm_slot_table * table)
     int cllm_slot_table_read_logits(const cllm_slot_table * table, int32_t first_slot, int32_t n)
     int cllm_slot_table_masked_argmax(cllm_slot_table * table, int32_t n, const int32_t * slots,

@@ -16,7 +16,14 @@
  *     of its own, whose graph reuses the same buffers);
  *   - each row gets its slot's row of a bias table (0, or -inf at the end-of-generation tokens
  *     while the slot bans them), and one argmax takes every row's token: only tokens leave the
- *     device (llama.cpp's own greedy sampler copies the logits too).
+ *     device (llama.cpp's own greedy sampler copies the logits too);
+ *   - a slot that samples with a temperature alone (the OpenAI API's default request) draws in
+ *     the graph too: every row's biased logits times its slot's 1 / T, a softmax, a cumulative
+ *     sum, and the first entry past the row's uniform number (from the sequence's own
+ *     generator, row_sampler.c, one a token as the host's draws take; scaled by the row's total
+ *     so that rounding never runs past the end). Each row's token is then the argmax's or the
+ *     draw's by its slot's flag: the graph is the same for greedy and sampled rows, so a mix of
+ *     them keeps llama.cpp's graph reuse. Filters and penalties stay on the host.
  *
  * Which slot each row belongs to is the graph's one input, written by the samplers of the rows
  * present (llama.cpp sets inputs for those only). The tables live in a buffer of the output
@@ -33,6 +40,8 @@
  * constrained step's sampling.
  */
 #include "slot_sampler.h"
+
+#include "row_sampler.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -55,8 +64,14 @@ struct cllm_slot_table {
     /* [n_vocab, n_slots] each, made when llama.cpp attaches a sampler */
     struct ggml_tensor * bias;
     struct ggml_tensor * logits; /* each slot's logits of its last output */
-    /* The graph being built or run: each row's slot (its input) and each row's token. */
+    /* [1, n_slots] each: 1 / T of a slot that draws in the graph (else 1), and 1 where it does
+       (else 0: the argmax) */
+    struct ggml_tensor * inv_temp;
+    struct ggml_tensor * draws;
+    /* The graph being built or run: each row's slot and uniform number (its inputs) and each
+       row's token. */
     struct ggml_tensor * row_slots;
+    struct ggml_tensor * row_uniforms;
     struct ggml_tensor * tokens;
     ggml_backend_buffer_type_t buft; /* the logits' device's */
     struct slot_masker * masker;     /* made at the first masked choice */
@@ -107,6 +122,9 @@ struct slot_sampler {
     int32_t slot;
     int32_t row; /* its row in the graph last built, when it has one there */
     int banned;
+    struct cllm_row_sampler * source; /* the generator of a slot that draws, else NULL */
+    float temperature;                /* of a slot that draws */
+    int held;                         /* its row is in the graph, its token not wanted */
 };
 
 struct cllm_slot_table * cllm_slot_table_new(int32_t n_vocab, int32_t n_slots, int32_t n_eog,
@@ -163,7 +181,7 @@ static int slot_table_alloc_host_rows(struct cllm_slot_table * t, ggml_backend_b
 /* The bias and logits rows in a buffer of `buft` (the device that computes the logits), all 0. */
 static int slot_table_alloc(struct cllm_slot_table * t, ggml_backend_buffer_type_t buft) {
     struct ggml_init_params params = {
-        /* .mem_size   = */ 2 * ggml_tensor_overhead(),
+        /* .mem_size   = */ 4 * ggml_tensor_overhead(),
         /* .mem_buffer = */ NULL,
         /* .no_alloc   = */ true,
     };
@@ -175,16 +193,26 @@ static int slot_table_alloc(struct cllm_slot_table * t, ggml_backend_buffer_type
     ggml_set_name(bias, "cllm_slot_bias");
     struct ggml_tensor * logits = ggml_new_tensor_2d(t->ctx, GGML_TYPE_F32, t->n_vocab, t->n_slots);
     ggml_set_name(logits, "cllm_slot_logits");
+    struct ggml_tensor * inv_temp = ggml_new_tensor_2d(t->ctx, GGML_TYPE_F32, 1, t->n_slots);
+    ggml_set_name(inv_temp, "cllm_slot_inv_temp");
+    struct ggml_tensor * draws = ggml_new_tensor_2d(t->ctx, GGML_TYPE_F32, 1, t->n_slots);
+    ggml_set_name(draws, "cllm_slot_draws");
     t->buffer = ggml_backend_alloc_ctx_tensors_from_buft(t->ctx, buft);
     if (t->buffer == NULL) {
         return 0;
     }
     ggml_backend_buffer_clear(t->buffer, 0);
+    for (int32_t slot = 0; slot < t->n_slots; slot++) {  /* greedy: 1 / T = 1, no draw */
+        const float one = 1.0f;
+        ggml_backend_tensor_set(inv_temp, &one, (size_t) slot * sizeof(float), sizeof(float));
+    }
     if (!slot_table_alloc_host_rows(t, buft)) {
         return 0;
     }
     t->bias = bias;
     t->logits = logits;
+    t->inv_temp = inv_temp;
+    t->draws = draws;
     t->buft = buft;
     return 1;
 }
@@ -234,8 +262,29 @@ static bool slot_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_t
     return s->table->bias != NULL || slot_table_alloc(s->table, buft);
 }
 
+/* The token each row draws from `biased` ([n_vocab, n_rows]) at its slot's temperature: the
+   first entry whose cumulative probability passes the row's uniform number times the row's
+   total (so never past the last entry with any probability). Float, [1, n_rows]. */
+static struct ggml_tensor * rows_draws(struct cllm_slot_table * t, struct ggml_context * ctx,
+                                       struct ggml_tensor * biased) {
+    const int64_t n_vocab = biased->ne[0], n_rows = biased->ne[1];
+    t->row_uniforms = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, n_rows);
+    ggml_set_name(t->row_uniforms, "cllm_row_uniforms");
+    ggml_set_input(t->row_uniforms);
+    struct ggml_tensor * inv_temp = ggml_get_rows(ctx, t->inv_temp, t->row_slots);
+    struct ggml_tensor * probs = ggml_soft_max(ctx, ggml_mul(ctx, biased, inv_temp));
+    struct ggml_tensor * cdf = ggml_cumsum(ctx, probs);
+    struct ggml_tensor * total = ggml_cont(ctx, ggml_view_2d(ctx, cdf, 1, n_rows, cdf->nb[1],
+                                                             (size_t) (n_vocab - 1) * cdf->nb[0]));
+    struct ggml_tensor * target = ggml_mul(ctx, t->row_uniforms, total);
+    struct ggml_tensor * past = ggml_step(ctx, ggml_sub(ctx, cdf, target));
+    /* the entries past the draw are counted; the draw is the first of them */
+    return ggml_scale_bias(ctx, ggml_sum_rows(ctx, past), -1.0f, (float) n_vocab);
+}
+
 /* Every row's token for the graph whose logits (padded by one row) are `padded`: their logits
-   stored in their slots' rows of the logits table, their slots' bias added, the argmax taken. */
+   stored in their slots' rows of the logits table, their slots' bias added, then the argmax,
+   or the draw where the row's slot draws. */
 static struct ggml_tensor * rows_tokens(struct cllm_slot_table * t, struct ggml_context * ctx,
                                         struct ggml_cgraph * gf, struct ggml_tensor * padded) {
     const int64_t n_rows = padded->ne[1] - 1;
@@ -246,8 +295,14 @@ static struct ggml_tensor * rows_tokens(struct cllm_slot_table * t, struct ggml_
     /* The store runs in every graph that has rows: a sampler of one of them is active. */
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, t->logits, rows, t->row_slots));
     struct ggml_tensor * biased = ggml_add(ctx, rows, ggml_get_rows(ctx, t->bias, t->row_slots));
-    t->tokens = ggml_argmax(ctx, biased);
-    ggml_set_name(t->tokens, "cllm_rows_argmax");
+    struct ggml_tensor * best = ggml_reshape_2d(ctx, ggml_cast(ctx, ggml_argmax(ctx, biased),
+                                                               GGML_TYPE_F32), 1, n_rows);
+    struct ggml_tensor * drawn = rows_draws(t, ctx, biased);
+    struct ggml_tensor * draws = ggml_get_rows(ctx, t->draws, t->row_slots);
+    struct ggml_tensor * token = ggml_add(ctx, best,
+                                          ggml_mul(ctx, ggml_sub(ctx, drawn, best), draws));
+    t->tokens = ggml_cast(ctx, ggml_reshape_1d(ctx, token, n_rows), GGML_TYPE_I32);
+    ggml_set_name(t->tokens, "cllm_rows_token");
     return t->tokens;
 }
 
@@ -273,16 +328,22 @@ static void slot_backend_apply(struct llama_sampler * smpl, struct ggml_context 
 static void slot_backend_reset(struct llama_sampler * smpl) {
     struct slot_sampler * s = smpl->ctx;
     s->table->row_slots = NULL;
+    s->table->row_uniforms = NULL;
     s->table->tokens = NULL;
 }
 
-/* Before each run of the graph, for the samplers with a row in it: which slot that row is. */
+/* Before each run of the graph, for the samplers with a row in it: which slot that row is, and
+   its uniform number (the next of its sequence's generator where the slot draws). */
 static void slot_backend_set_input(struct llama_sampler * smpl) {
     const struct slot_sampler * s = smpl->ctx;
     struct ggml_tensor * row_slots = s->table->row_slots;
     if (row_slots != NULL && s->row < row_slots->ne[0]) {
         ggml_backend_tensor_set(row_slots, &s->slot, (size_t) s->row * sizeof(int32_t),
                                 sizeof(int32_t));
+        const float u = s->source != NULL && !s->held
+                        ? (float) cllm_row_sampler_stage(s->source) : 0.5f;
+        ggml_backend_tensor_set(s->table->row_uniforms, &u, (size_t) s->row * sizeof(float),
+                                sizeof(float));
     }
 }
 
@@ -336,6 +397,31 @@ void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban) {
         ggml_backend_tensor_set(t->bias, &value, cell * sizeof(float), sizeof(float));
     }
     s->banned = ban;
+}
+
+void cllm_slot_sampler_draw(struct llama_sampler * chain, struct cllm_row_sampler * source,
+                            float temperature) {
+    struct slot_sampler * s = slot_of(chain);
+    const struct cllm_slot_table * t = s->table;
+    const int changed = (s->source != NULL) != (source != NULL)
+                        || (source != NULL && s->temperature != temperature);
+    if (changed && t->inv_temp != NULL) {
+        const float inv_temp = source != NULL ? 1.0f / temperature : 1.0f;
+        const float draws = source != NULL ? 1.0f : 0.0f;
+        const size_t at = (size_t) s->slot * sizeof(float);
+        ggml_backend_tensor_set(t->inv_temp, &inv_temp, at, sizeof(float));
+        ggml_backend_tensor_set(t->draws, &draws, at, sizeof(float));
+    }
+    s->source = source;
+    s->temperature = temperature;
+}
+
+void cllm_slot_sampler_hold(struct llama_sampler * chain, int held) {
+    slot_of(chain)->held = held;
+}
+
+int cllm_slot_sampler_draws(struct llama_sampler * chain) {
+    return slot_of(chain)->source != NULL;
 }
 
 float * cllm_slot_table_host_rows(const struct cllm_slot_table * t) {

@@ -22,7 +22,8 @@ void cllm_slot_table_release(struct cllm_slot_table * table);
 int cllm_slot_table_ready(const struct cllm_slot_table * table);
 
 /* A sampler chain for slot `slot` of `table`, to attach when the context is made
-   (llama_context_params.samplers): greedy in the graph. NULL when out of memory. */
+   (llama_context_params.samplers): greedy in the graph, or a draw (cllm_slot_sampler_draw).
+   NULL when out of memory. */
 struct llama_sampler * cllm_slot_sampler_new(struct cllm_slot_table * table, int32_t slot);
 
 /* Whether this slot bans its end-of-generation tokens now. */
@@ -31,6 +32,22 @@ int cllm_slot_sampler_bans_eog(struct llama_sampler * chain);
 /* Ban (nonzero) or allow this slot's end-of-generation tokens from the next decode on. Writes
    the device row when the ban changes, so no decode may be running then. */
 void cllm_slot_sampler_ban_eog(struct llama_sampler * chain, int ban);
+
+struct cllm_row_sampler;
+
+/* Whether this slot draws its token in the graph, and how: `source` (not NULL) gives each of
+   its rows a uniform number, and the draw is at `temperature` (> 0); NULL: the argmax. Writes
+   the device tables when that changes, so no decode may be running then. The slot keeps
+   `source` until told otherwise, and the caller keeps it alive until then. */
+void cllm_slot_sampler_draw(struct llama_sampler * chain, struct cllm_row_sampler * source,
+                            float temperature);
+
+/* While held (nonzero), this slot's row takes no number from its generator: a row kept in a
+   decode run's batch after it stopped, so that its sequence's random stream is as without. */
+void cllm_slot_sampler_hold(struct llama_sampler * chain, int held);
+
+/* Whether this slot draws its token in the graph. */
+int cllm_slot_sampler_draws(struct llama_sampler * chain);
 
 /* Where the host reads slots' logits back to: `n_slots` rows of `n_vocab` floats, a row per
    slot, owned by the table (page-locked where the logits' device has such memory). NULL until

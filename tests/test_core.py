@@ -195,6 +195,43 @@ def test_seeded_sampling_is_reproducible(ctx, model):
     assert sample(42) != sample(43)
 
 
+def test_seeded_sampling_in_the_graph_is_reproducible(graph_ctx, model):
+    """A row with a temperature alone draws in the decode's graph, from its own generator."""
+    def sample(seed):
+        return generate_together(graph_ctx, model, ["Once upon a time"], 25, seq_ids=[3],
+                                 temperature=1.0, seed=seed)[0]
+
+    assert sample(42) == sample(42)
+    assert sample(42) != sample(43)
+
+
+def test_a_row_drawn_in_the_graph_follows_its_distribution(graph_ctx, model):
+    """The graph's draws at temperature 1 (a step of 8 rows of one prompt, each with its own
+    seed, 96 times) land on the prompt's next tokens as often as their probabilities say: the
+    three most likely and the rest, each within 5 standard deviations."""
+    prompt = model.tokenize("The capital of France is")
+    graph_ctx.set_sampler(0, host_logits=True)
+    _, logprobs = graph_ctx.step(ints([0]), ints([0]), ints([len(prompt)]), ints([1]),
+                                 ints(prompt), top_logprobs=ints([3]))
+    graph_ctx.remove_sequence(0)
+    top = [(token, math.exp(lp)) for token, lp in logprobs.row(0)[1]]
+    counts, n_rows, rounds = {}, 8, 96
+    for round_ in range(rounds):
+        for s in range(n_rows):
+            graph_ctx.set_sampler(s, temperature=1.0, seed=round_ * n_rows + s)
+        out = graph_ctx.step(ints(range(n_rows)), ints([0] * n_rows),
+                             ints([len(prompt)] * n_rows), ints([1] * n_rows),
+                             ints(prompt * n_rows))
+        for s in range(n_rows):
+            counts[out[s]] = counts.get(out[s], 0) + 1
+            graph_ctx.remove_sequence(s)
+    n = rounds * n_rows
+    bins = [(counts.get(token, 0), p) for token, p in top]
+    bins.append((n - sum(c for c, _ in bins), 1.0 - sum(p for _, p in top)))
+    for drawn, p in bins:
+        assert abs(drawn - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1, (bins, n)
+
+
 def test_penalties_change_greedy_output(ctx, model):
     prompt = "Repeat after me: la la la la la la la"
 
@@ -438,8 +475,10 @@ def made(out, counts, n_steps):
 def test_a_decode_run_that_holds_its_shape_makes_the_same_tokens(model):
     """With hold_run_shape, rows that stop (budget, end token) stay in the run's batch until it
     ends, so each step has the same shape: every row's tokens and its sampler's state (a seeded
-    temperature row continues the same in the next run) are as without it."""
-    ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, backend_sampling=True)
+    temperature row continues the same in the next run) are as without it. In split streams,
+    where a CPU's logits do not depend on the batch: in one pool a held row changes the others'
+    logits in their last digits, and a sampled row's draw near a boundary with them."""
+    ctx = _core.Context(model, n_ctx=4096, n_seq_max=8, backend_sampling=True, kv_unified=False)
     plain = three_rows_in_two_runs(ctx, model, hold=False)
     held = three_rows_in_two_runs(ctx, model, hold=True)
     assert plain["held"] == 0 and held["held"] > 0
@@ -541,8 +580,9 @@ def test_what_after_step_raises_ends_the_run_and_is_raised(ctx, model):
 
 @pytest.fixture(scope="module")
 def graph_ctx(model):
-    """A context that samples greedy sequences inside llama.cpp's graph (backend sampling:
-    the CPU backend runs those samplers too, so this runs here as on a GPU)."""
+    """A context that samples greedy and temperature-only sequences inside llama.cpp's graph
+    (backend sampling: the CPU backend runs those samplers too, so this runs here as on a
+    GPU)."""
     context = _core.Context(model, n_ctx=4096, n_seq_max=8, kv_unified=True,
                             backend_sampling=True)
     assert context.backend_sampling
