@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="measure each level this many times, to show the spread "
                            "(default 1)")
     load.add_argument("--max-tokens", type=_positive, default=50)
+    load.add_argument("--temperature", type=float, default=0.0,
+                      help="sent with every request (default 0: greedy; clients' default is 1)")
+    load.add_argument("--top-p", type=float, help="sent with every request when given")
+    load.add_argument("--top-k", type=int,
+                      help="sent with every request when given (0: off; unsent, llama-server "
+                           "keeps its default of 40 and cllm none)")
     load.add_argument("--seed", type=_non_negative, default=0,
                       help="which series of generated prompts, conversations and arrivals "
                            "(default 0): benchmark processes loading one server together need "
@@ -185,7 +191,8 @@ def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def load_settings(args: argparse.Namespace) -> LoadSettings:
     return LoadSettings(endpoint=args.endpoint, max_tokens=args.max_tokens, stream=args.stream,
                         ignore_eos=args.ignore_eos, timeout=args.timeout,
-                        cache_prompt=args.cache_prompt)
+                        cache_prompt=args.cache_prompt, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

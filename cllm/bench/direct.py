@@ -50,8 +50,8 @@ class EngineTarget:
         config = server.engine
         from cllm.engine import Engine  # loaded by now as the server would load it (main)
         self.engine = Engine(config, model_path)
-        self.sampling = SamplingParams(max_tokens=load.max_tokens, temperature=0.0,
-                                       ignore_eos=load.ignore_eos)
+        self.sampling = SamplingParams(max_tokens=load.max_tokens, ignore_eos=load.ignore_eos,
+                                       **load.sampling_fields())
         self.cache_prompt = load.cache_prompt is not False  # unsent: the server's default, on
         # A streamed request's deltas as the server cuts them; else a step's tokens at once.
         self.stream_interval = server.stream_interval if load.stream else None
