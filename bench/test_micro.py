@@ -87,12 +87,14 @@ def test_decode_step_over_a_shared_document(benchmark, model):
     _bench_steps_from(benchmark, ctx, [len(document)] * 8, ints([last[0]] * 8), rounds=20)
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0.0},
-                                      {"temperature": 0.8, "top_p": 0.9, "seed": 1}],
-                         ids=["greedy", "top_p"])
-def test_sampling_at_32(benchmark, ctx, model, sampling):
-    """A decode step at 32 sequences with the given sampler: the difference is sampling."""
-    _bench_decode_steps(benchmark, ctx, model, 32, rounds=20, **sampling)
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1},
+                                      {"temperature": 0.7, "top_p": 0.95, "seed": 1},
+                                      {"temperature": 0.8, "top_k": 40, "seed": 1}],
+                         ids=["greedy", "t1", "t0.7-p0.95", "t0.8-k40"])
+@pytest.mark.parametrize("n_seqs", [8, 32])
+def test_sampling(benchmark, ctx, model, n_seqs, sampling):
+    """A decode step at n_seqs sequences with the given sampler: the difference is sampling."""
+    _bench_decode_steps(benchmark, ctx, model, n_seqs, rounds=20, **sampling)
 
 
 def test_schedule_256_running(benchmark):

@@ -37,6 +37,8 @@ class Target:
     send: Sender | None = None  # set once the model name is known
     # The engine's step timer so far (cllm's, in-process or over /metrics); None: another server.
     step_counts: Callable[[], Awaitable[dict | None]] | None = None
+    # A sender whose requests carry other sampling fields.
+    sampled: Callable[[dict], Sender] | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,6 +66,7 @@ def _write(data: dict, out: Path) -> None:
 def _settings(args: argparse.Namespace) -> dict:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     settings["levels"] = [asdict(level) for level in args.levels]
+    settings["sampling"] = {spec.label: spec.fields for spec in args.sampling}
     # llama-server's layout is each started peer's own (`servers`), not one setting of the run.
     settings["server"] = {k: v for k, v in asdict(server_settings(args)).items()
                           if k != "peer_kv_unified"}
@@ -82,7 +85,7 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
         engine = EngineTarget(str(path), s, load_settings(args))
         stack.callback(engine.shutdown)
         targets.append(Target("cllm-engine", model=path.name, send=engine.send,
-                              step_counts=engine.step_counts))
+                              step_counts=engine.step_counts, sampled=engine.sampled))
     if args.batched_bench:
         build(("llama-server", "llama-batched-bench"))
     if args.peer:
@@ -119,8 +122,11 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
                 t.model = t.model or await first_model(connections, t.url)
                 t.send = HttpTarget(t.url, t.model, load, connections).send
                 t.step_counts = partial(_engine_step_counts, connections, t.url)
-        groups = ([_with_schema(t, load, connections) for t in targets]
-                  if args.workload == "structured" else [[t] for t in targets])
+                t.sampled = partial(_http_sampled, t, load, connections)
+        groups = [[v for t in _sampling_series(target, args.sampling)
+                   for v in (_with_schema(t, load, connections)
+                             if args.workload == "structured" else [t])]
+                  for target in targets]
         levels = [(level, repeat) for level in args.levels for repeat in range(args.runs)]
         for i, ((level, repeat), plan) in enumerate(zip(levels, plans(args))):
             # The order of servers flips from run to run so neither always runs first.
@@ -131,6 +137,19 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
                     run["repeat"] = repeat
                     data["runs"].append(run)
                     _print_run(run)
+
+
+def _http_sampled(t: Target, load, connections: Connections, fields: dict) -> Sender:
+    return HttpTarget(t.url, t.model, replace(load, sampling=fields), connections).send
+
+
+def _sampling_series(t: Target, specs: list) -> list[Target]:
+    """One series a --sampling SPEC ("<name>@<SPEC>"), measured one after another at each
+    level; the target itself where there is one SPEC."""
+    if len(specs) == 1:
+        return [t]
+    return [Target(f"{t.name}@{spec.label}", url=t.url, model=t.model,
+                   send=t.sampled(spec.fields), step_counts=t.step_counts) for spec in specs]
 
 
 def _with_schema(t: Target, load, connections: Connections) -> list[Target]:

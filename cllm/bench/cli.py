@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from .loadgen import Level, LoadSettings
@@ -53,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="measure each level this many times, to show the spread "
                            "(default 1)")
     load.add_argument("--max-tokens", type=_positive, default=50)
-    load.add_argument("--temperature", type=float, default=0.0,
-                      help="sent with every request (default 0: greedy; clients' default is 1)")
-    load.add_argument("--top-p", type=float, help="sent with every request when given")
-    load.add_argument("--top-k", type=int,
-                      help="sent with every request when given (0: off; unsent, llama-server "
-                           "keeps its default of 40 and cllm none)")
+    load.add_argument("--sampling", type=_sampling, nargs="+",
+                      default=[_sampling(spec) for spec in DEFAULT_SAMPLING], metavar="SPEC",
+                      help="how requests sample, each SPEC a series of its own at every level: "
+                           "greedy, or fields among t=TEMPERATURE, p=TOP_P, k=TOP_K, "
+                           "minp=MIN_P (e.g. t=0.7,p=0.95,k=0); a field left out is not sent, "
+                           "so each server keeps its default (llama-server: top-k 40, top-p "
+                           "0.95, min-p 0.05; cllm: none). Default: greedy t=1,k=0 "
+                           "t=0.7,p=0.95,k=0, the same parameters for every server")
     load.add_argument("--seed", type=_non_negative, default=0,
                       help="which series of generated prompts, conversations and arrivals "
                            "(default 0): benchmark processes loading one server together need "
@@ -191,8 +194,7 @@ def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def load_settings(args: argparse.Namespace) -> LoadSettings:
     return LoadSettings(endpoint=args.endpoint, max_tokens=args.max_tokens, stream=args.stream,
                         ignore_eos=args.ignore_eos, timeout=args.timeout,
-                        cache_prompt=args.cache_prompt, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k)
+                        cache_prompt=args.cache_prompt, sampling=args.sampling[0].fields)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -211,6 +213,36 @@ def _kv_unified(asked: bool | None) -> bool:
         return asked
     from cllm.engine import default_kv_unified  # loads llama.cpp: only when needed
     return default_kv_unified()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A --sampling SPEC: its label (the SPEC) and the fields requests send."""
+    label: str
+    fields: dict
+
+
+_SAMPLING_FIELDS = {"t": ("temperature", float), "p": ("top_p", float), "k": ("top_k", int),
+                    "minp": ("min_p", float)}
+DEFAULT_SAMPLING = ("greedy", "t=1,k=0", "t=0.7,p=0.95,k=0")
+
+
+def _sampling(text: str) -> Sampling:
+    """"greedy" → temperature 0; "t=0.7,p=0.95,k=0" → those fields."""
+    if text == "greedy":
+        return Sampling(text, {"temperature": 0.0})
+    fields = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key not in _SAMPLING_FIELDS:
+            known = ", ".join(k + "=" for k in _SAMPLING_FIELDS)
+            raise argparse.ArgumentTypeError(f"{text!r}: give greedy or fields among {known}")
+        name, kind = _SAMPLING_FIELDS[key]
+        try:
+            fields[name] = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {key}= takes a number") from None
+    return Sampling(text, fields)
 
 
 def _positive(text: str) -> int:

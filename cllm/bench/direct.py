@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from cllm.sequence import FINISH_LENGTH, FINISH_STOP
@@ -51,14 +52,19 @@ class EngineTarget:
         from cllm.engine import Engine  # loaded by now as the server would load it (main)
         self.engine = Engine(config, model_path)
         self.sampling = SamplingParams(max_tokens=load.max_tokens, ignore_eos=load.ignore_eos,
-                                       **load.sampling_fields())
+                                       **load.sampling)
         self.cache_prompt = load.cache_prompt is not False  # unsent: the server's default, on
         # A streamed request's deltas as the server cuts them; else a step's tokens at once.
         self.stream_interval = server.stream_interval if load.stream else None
 
-    async def send(self, prompt: str | Sized) -> RequestResult:
+    def sampled(self, fields: dict) -> Callable[[str | Sized], Awaitable[RequestResult]]:
+        """A send() whose requests carry these sampling fields instead."""
+        sampling = replace(self.sampling, **fields)
+        return lambda prompt: self.send(prompt, sampling)
+
+    async def send(self, prompt: str | Sized, sampling=None) -> RequestResult:
         r = RequestResult(start=time.perf_counter())
-        sampling = self.sampling
+        sampling = sampling or self.sampling
         if isinstance(prompt, Sized):
             prompt, sampling = prompt.prompt, replace(sampling, max_tokens=prompt.max_tokens)
         try:

@@ -61,18 +61,9 @@ class LoadSettings:
     cache_prompt: bool | None = None  # None: the field is not sent, each server's default holds
     # A JSON Schema sent as response_format: the reply ends when its JSON does (no ignore_eos).
     json_schema: dict | None = None
-    temperature: float = 0.0
-    top_p: float | None = None  # None: not sent, each server's default holds
-    top_k: int | None = None
-
-    def sampling_fields(self) -> dict:
-        """The sampling fields a request sends."""
-        fields: dict = {"temperature": self.temperature}
-        if self.top_p is not None:
-            fields["top_p"] = self.top_p
-        if self.top_k is not None:
-            fields["top_k"] = self.top_k
-        return fields
+    # The sampling fields each request sends (Sampling.fields); unsent ones keep each server's
+    # default (llama-server's top-k 40, top-p 0.95, min-p 0.05).
+    sampling: dict = field(default_factory=lambda: {"temperature": 0.0})
 
 
 @dataclass(slots=True)
@@ -253,7 +244,7 @@ class HttpTarget:
         if isinstance(prompt, Sized):
             prompt, max_tokens = prompt.prompt, prompt.max_tokens
         body: dict = {"model": self.model, "max_tokens": max_tokens,
-                      "stream": self.load.stream, **self.load.sampling_fields()}
+                      "stream": self.load.stream, **self.load.sampling}
         if self.load.endpoint == "chat":
             body["messages"] = (prompt if isinstance(prompt, list)
                                 else [{"role": "user", "content": prompt}])

@@ -33,7 +33,34 @@ def test_options():
     assert server_settings(parse_args(["--url", "u", "--ubatch-size", "64"])).ubatch_size == 64
 
 
+def test_sampling_defaults_to_greedy_and_what_clients_send():
+    args = parse_args(["--url", "u"])
+    assert [(s.label, s.fields) for s in args.sampling] == [
+        ("greedy", {"temperature": 0.0}), ("t=1,k=0", {"temperature": 1.0, "top_k": 0}),
+        ("t=0.7,p=0.95,k=0", {"temperature": 0.7, "top_p": 0.95, "top_k": 0})]
+    assert load_settings(args).sampling == {"temperature": 0.0}
+
+
+def test_sampling_specs_send_only_the_fields_they_name():
+    args = parse_args(["--url", "u", "--sampling", "t=0.8,minp=0.05", "greedy"])
+    assert [s.fields for s in args.sampling] == [{"temperature": 0.8, "min_p": 0.05},
+                                                 {"temperature": 0.0}]
+
+
+def test_each_sampling_spec_is_a_series_of_its_own():
+    args = parse_args(["--url", "u", "--sampling", "greedy", "t=1"])
+    sent = []
+    target = bench_main.Target("cllm", url="u", sampled=lambda fields: sent.append(fields) or 7)
+    series = bench_main._sampling_series(target, args.sampling)
+    assert [t.name for t in series] == ["cllm@greedy", "cllm@t=1"]
+    assert [t.send for t in series] == [7, 7] and sent == [{"temperature": 0.0},
+                                                           {"temperature": 1.0}]
+    assert bench_main._sampling_series(target, args.sampling[:1]) == [target]
+
+
 @pytest.mark.parametrize("argv", [[], ["--url", "u", "--concurrency", "0"],
+                                  ["--url", "u", "--sampling", "temperature=1"],
+                                  ["--url", "u", "--sampling", "t=hot"],
                                   ["--url", "u", "--prompt-tokens", "5", "--prompt-file", "f"],
                                   ["--peer", "vllm"]])
 def test_rejected(argv, capsys):

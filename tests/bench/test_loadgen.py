@@ -97,6 +97,13 @@ def test_tpot_needs_two_tokens_and_a_stream():
     assert RequestResult(start=0, end=1, ttft=1, output_tokens=5, streamed=False).tpot is None
 
 
+def test_a_request_sends_its_sampling_fields():
+    load = LoadSettings(sampling={"temperature": 0.7, "top_p": 0.95, "top_k": 0})
+    body = HttpTarget("http://x/", "m", load, None).body("hi")
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.95, 0)
+    assert "min_p" not in body
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_request_body(endpoint):
     target = HttpTarget("http://x/", "m", LoadSettings(endpoint=endpoint, max_tokens=9), None)
