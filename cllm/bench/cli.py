@@ -224,7 +224,9 @@ class Sampling:
 
 _SAMPLING_FIELDS = {"t": ("temperature", float), "p": ("top_p", float), "k": ("top_k", int),
                     "minp": ("min_p", float)}
-DEFAULT_SAMPLING = ("greedy", "t=1,k=0", "t=0.7,p=0.95,k=0")
+# Greedy; what clients send, with the same parameters for every server (k=0: llama-server's
+# top-k 40 off) and with each server's defaults (t=1 alone: llama-server as users meet it).
+DEFAULT_SAMPLING = ("greedy", "t=1,k=0", "t=0.7,p=0.95,k=0", "t=1")
 
 
 def _sampling(text: str) -> Sampling:

@@ -37,7 +37,8 @@ def test_sampling_defaults_to_greedy_and_what_clients_send():
     args = parse_args(["--url", "u"])
     assert [(s.label, s.fields) for s in args.sampling] == [
         ("greedy", {"temperature": 0.0}), ("t=1,k=0", {"temperature": 1.0, "top_k": 0}),
-        ("t=0.7,p=0.95,k=0", {"temperature": 0.7, "top_p": 0.95, "top_k": 0})]
+        ("t=0.7,p=0.95,k=0", {"temperature": 0.7, "top_p": 0.95, "top_k": 0}),
+        ("t=1", {"temperature": 1.0})]
     assert load_settings(args).sampling == {"temperature": 0.0}
 
 
