@@ -830,7 +830,8 @@ cdef class Context:
                                  n_steps)
             if hold:
                 for i in range(n):  # a held row's generator stays where its sequence left it
-                    cllm_slot_sampler_hold(self.graph_chains[seq_ids[rows[i]]], not live[rows[i]])
+                    cllm_slot_sampler_hold(self.graph_chains[seq_ids[rows[i]]],
+                                           not live[rows[i]])
             t0 = _now()
             rc = llama_decode(self.ctx, self.batch)
             self._t_decode += _now() - t0
@@ -983,9 +984,9 @@ cdef class Context:
         host's, over their logits read back, where device_masks is off). The host's rows are
         spread over the threads, each masked first: the greedy ones by an argmax (on a GPU the
         logits of a 64-row step are 12 MB; one core scanning them took a third of the step),
-        the others by their sequence's row sampler (one after another, a 128k vocabulary's rows
-        held a 64-row step to ~490 tokens/s on an H200). The caller has waited for the step
-        (llama_synchronize). out_host names where each output's logits lie on the host
+        the others by their sequence's row sampler (row_sampler.c; a sampled row weighs as
+        _ROWS_PER_THREAD greedy ones in the count of threads). The caller has waited for the
+        step (llama_synchronize). out_host names where each output's logits lie on the host
         afterwards."""
         cdef int i, work = 0
         cdef float ** logits = self.out_logits
