@@ -172,6 +172,7 @@ cdef extern from "row_sampler.h" nogil:
     void cllm_row_sampler_free(cllm_row_sampler * sampler)
     void cllm_row_sampler_accept(cllm_row_sampler * sampler, int32_t token)
     const cllm_sampling * cllm_row_sampler_params(const cllm_row_sampler * sampler)
+    double cllm_row_sampler_take(cllm_row_sampler * sampler)
     cllm_sampler_scratch * cllm_sampler_scratch_new(int32_t n_vocab)
     void cllm_sampler_scratch_free(cllm_sampler_scratch * scratch)
     int32_t cllm_row_sampler_sample(cllm_row_sampler * sampler, float * logits, int32_t n_vocab,
@@ -194,6 +195,16 @@ cdef extern from "slot_sampler.h" nogil:
     void cllm_slot_sampler_hold(llama_sampler * chain, bint held)
     float * cllm_slot_table_host_rows(const cllm_slot_table * table)
     int cllm_slot_table_read_logits(const cllm_slot_table * table, int32_t first_slot, int32_t n)
+    cdef struct cllm_slot_draw:
+        int32_t slot
+        float temperature
+        int32_t top_k
+        float top_p
+        float min_p
+        float uniform
+    int cllm_slot_table_filtered_draw(cllm_slot_table * table, int32_t n,
+                                      const cllm_slot_draw * draws, int32_t * tokens,
+                                      int n_threads)
     int cllm_slot_table_masked_argmax(cllm_slot_table * table, int32_t n, const int32_t * slots,
                                       const uint32_t * const * masks, int32_t * tokens,
                                       int n_threads)

@@ -122,9 +122,7 @@ double cllm_row_sampler_stage(struct cllm_row_sampler * s) {
     return s->staged;
 }
 
-/* The number a draw on the host takes: the one staged for the device where there is one (the
-   device's draw was not taken), so that a token takes one number whichever side draws it. */
-static double next_uniform(struct cllm_row_sampler * s) {
+double cllm_row_sampler_take(struct cllm_row_sampler * s) {
     if (s->has_staged) {
         s->has_staged = 0;
         return s->staged;
@@ -268,7 +266,7 @@ static int32_t draw_all(struct cllm_row_sampler * s, float * logits, int32_t n, 
         w->block[b] = weigh_block(logits + first, size, max, scale, floor, w->weight + first);
         total += w->block[b];
     }
-    const double target = next_uniform(s) * total;
+    const double target = cllm_row_sampler_take(s) * total;
     double acc = 0.0;
     int32_t b = 0, last = -1;
     for (; b < n_blocks; b++) {

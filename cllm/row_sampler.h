@@ -35,6 +35,10 @@ void cllm_row_sampler_free(struct cllm_row_sampler * sampler);
    so a sequence's tokens take one number each wherever they are drawn. */
 double cllm_row_sampler_stage(struct cllm_row_sampler * sampler);
 
+/* The number a draw takes: the staged one where there is one (the device's draw was not
+   taken), else the generator's next, so that a token takes one number wherever it is drawn. */
+double cllm_row_sampler_take(struct cllm_row_sampler * sampler);
+
 const struct cllm_sampling * cllm_row_sampler_params(const struct cllm_row_sampler * sampler);
 
 /* Count `token` as the sequence's latest (the penalties' history). */

@@ -569,6 +569,27 @@ static int32_t masker_stage(const struct cllm_slot_table * t, int32_t n, const i
     return m;
 }
 
+/* A context for a small graph of `graph_size` nodes of the rows' choice (tensors only). */
+static struct ggml_context * small_graph_ctx(size_t graph_size) {
+    struct ggml_init_params params = {
+        /* .mem_size   = */ graph_size * ggml_tensor_overhead()
+                            + ggml_graph_overhead_custom(graph_size, false),
+        /* .mem_buffer = */ NULL,
+        /* .no_alloc   = */ true,
+    };
+    return ggml_init(params);
+}
+
+/* Compute `gf` (its inputs set) on the masker's backend and read its `m` tokens into `out`. */
+static int compute_tokens(const struct slot_masker * k, struct ggml_cgraph * gf,
+                          struct ggml_tensor * chosen, int32_t * out, int32_t m) {
+    if (ggml_backend_graph_compute(k->backend, gf) != GGML_STATUS_SUCCESS) {
+        return -1;
+    }
+    ggml_backend_tensor_get(chosen, out, 0, (size_t) m * sizeof(int32_t));
+    return 0;
+}
+
 int cllm_slot_table_masked_argmax(struct cllm_slot_table * t, int32_t n, const int32_t * slots,
                                   const uint32_t * const * masks, int32_t * tokens,
                                   int n_threads) {
@@ -584,13 +605,7 @@ int cllm_slot_table_masked_argmax(struct cllm_slot_table * t, int32_t n, const i
         return 0;
     }
     const size_t graph_size = 16;
-    struct ggml_init_params params = {
-        /* .mem_size   = */ graph_size * ggml_tensor_overhead()
-                            + ggml_graph_overhead_custom(graph_size, false),
-        /* .mem_buffer = */ NULL,
-        /* .no_alloc   = */ true,
-    };
-    struct ggml_context * ctx = ggml_init(params);
+    struct ggml_context * ctx = small_graph_ctx(graph_size);
     if (ctx == NULL) {
         return -1;
     }
@@ -605,20 +620,131 @@ int cllm_slot_table_masked_argmax(struct cllm_slot_table * t, int32_t n, const i
         ggml_backend_tensor_set(row_slots, k->staging, 0, (size_t) m * sizeof(int32_t));
         ggml_backend_tensor_set(halves, staged_halves, 0,
                                 (size_t) m * (size_t) k->n_halves * sizeof(int32_t));
-        if (ggml_backend_graph_compute(k->backend, gf) == GGML_STATUS_SUCCESS) {
-            ggml_backend_tensor_get(chosen, out, 0, (size_t) m * sizeof(int32_t));
-            for (int32_t i = 0, j = 0; i < n; i++) {
-                if (masks[i] != NULL) {
-                    /* A row whose bitmask allows nothing its slot may sample (all -inf: its
-                       grammar failed and lets only an end token through, which the slot bans)
-                       has no maximum: CUDA's argmax says -1, as the host's sampling does, and
-                       the row samples no token (ggml-cpu's argmax says 0, a token the grammar
-                       refuses). Either way the request ends with the grammar's error. */
-                    tokens[i] = out[j++];
-                }
+        rc = compute_tokens(k, gf, chosen, out, m);
+        for (int32_t i = 0, j = 0; rc == 0 && i < n; i++) {
+            if (masks[i] != NULL) {
+                /* A row whose bitmask allows nothing its slot may sample (all -inf: its
+                   grammar failed and lets only an end token through, which the slot bans)
+                   has no maximum: CUDA's argmax says -1, as the host's sampling does, and
+                   the row samples no token (ggml-cpu's argmax says 0, a token the grammar
+                   refuses). Either way the request ends with the grammar's error. */
+                tokens[i] = out[j++];
             }
-            rc = 0;
         }
+    }
+    ggml_free(ctx);
+    return rc;
+}
+
+/* The rows' parameters as graph inputs, each [1, m] but the slots [m]. */
+enum { DRAW_SLOTS, DRAW_INV_TEMP, DRAW_TOP_K, DRAW_TOP_P, DRAW_LOG_MIN_P, DRAW_UNIFORM,
+       DRAW_INPUTS };
+
+/* 1 where `x` > 0, else 0, as a float mask: ggml_step of x, or of -x where `negate`. */
+static struct ggml_tensor * positive(struct ggml_context * ctx, struct ggml_tensor * x,
+                                     int negate) {
+    return ggml_step(ctx, negate ? ggml_scale(ctx, x, -1.0f) : x);
+}
+
+/* The graph of the filtered draw for `m` rows: their slots' logits and biases sorted, the
+   filters as a 0/1 mask over the sorted positions, the draw by inverse CDF at each row's
+   temperature, and the token at the drawn position. */
+static struct ggml_tensor * filtered_tokens(const struct cllm_slot_table * t,
+                                            struct ggml_context * ctx, int32_t m,
+                                            struct ggml_tensor ** in) {
+    const int64_t n_vocab = t->n_vocab;
+    in[DRAW_SLOTS] = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, m);
+    for (int i = DRAW_INV_TEMP; i < DRAW_INPUTS; i++) {
+        in[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, m);
+    }
+    for (int i = 0; i < DRAW_INPUTS; i++) {
+        ggml_set_input(in[i]);
+    }
+    struct ggml_tensor * logits = ggml_add(ctx, ggml_get_rows(ctx, t->logits, in[DRAW_SLOTS]),
+                                           ggml_get_rows(ctx, t->bias, in[DRAW_SLOTS]));
+    struct ggml_tensor * order = ggml_argsort(ctx, logits, GGML_SORT_ORDER_DESC);
+    struct ggml_tensor * sorted = ggml_reshape_2d(
+        ctx, ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, n_vocab, m), order), n_vocab, m);
+    /* top-p: keep a position while the probability before it (at T = 1) is under p */
+    struct ggml_tensor * p1 = ggml_soft_max(ctx, sorted);
+    struct ggml_tensor * before = ggml_sub(ctx, ggml_cumsum(ctx, p1), p1);
+    struct ggml_tensor * keep = positive(ctx, ggml_sub(ctx, before, in[DRAW_TOP_P]), 1);
+    /* top-k: keep positions under k */
+    struct ggml_tensor * positions = ggml_reshape_2d(ctx, ggml_arange(ctx, 0.0f, (float) n_vocab,
+                                                                      1.0f), n_vocab, 1);
+    struct ggml_tensor * k = ggml_repeat(ctx, in[DRAW_TOP_K], sorted);
+    keep = ggml_mul(ctx, keep, positive(ctx, ggml_sub(ctx, k, positions), 0));
+    /* min-p: keep logits at or above the best one's plus log(min_p) */
+    struct ggml_tensor * best = ggml_cont(ctx, ggml_view_2d(ctx, sorted, 1, m, sorted->nb[1], 0));
+    struct ggml_tensor * floor = ggml_add(ctx, best, in[DRAW_LOG_MIN_P]);
+    keep = ggml_mul(ctx, keep, ggml_step(ctx, ggml_scale_bias(ctx, ggml_sub(ctx, sorted, floor),
+                                                              1.0f, 1e-6f)));
+    /* the draw over what is kept */
+    struct ggml_tensor * scaled = ggml_add(ctx, ggml_mul(ctx, sorted, in[DRAW_INV_TEMP]),
+                                           ggml_log(ctx, keep));
+    struct ggml_tensor * cdf = ggml_cumsum(ctx, ggml_soft_max(ctx, scaled));
+    struct ggml_tensor * total = ggml_cont(ctx, ggml_view_2d(ctx, cdf, 1, m, cdf->nb[1],
+                                                             (size_t) (n_vocab - 1) * cdf->nb[0]));
+    struct ggml_tensor * past = ggml_step(ctx, ggml_sub(ctx, cdf, ggml_mul(ctx, in[DRAW_UNIFORM],
+                                                                           total)));
+    struct ggml_tensor * at = ggml_clamp(ctx, ggml_scale_bias(ctx, ggml_sum_rows(ctx, past), -1.0f,
+                                                              (float) n_vocab),
+                                         0.0f, (float) (n_vocab - 1));
+    struct ggml_tensor * ids = ggml_reshape_3d(ctx, ggml_cast(ctx, order, GGML_TYPE_F32), 1,
+                                               n_vocab, m);
+    struct ggml_tensor * token = ggml_get_rows(ctx, ids, ggml_reshape_2d(
+        ctx, ggml_cast(ctx, at, GGML_TYPE_I32), 1, m));
+    struct ggml_tensor * tokens = ggml_cast(ctx, ggml_reshape_1d(ctx, token, m), GGML_TYPE_I32);
+    ggml_set_output(tokens);
+    return tokens;
+}
+
+/* Stage the rows' parameters in the masker's staging (its room for bitmasks is far larger):
+   the slots, then each float input's m values, then room for the tokens. */
+static void drawer_stage(const struct cllm_slot_table * t, int32_t n,
+                         const struct cllm_slot_draw * d, int32_t * staging) {
+    float * f = (float *) (staging + n);
+    for (int32_t i = 0; i < n; i++) {
+        staging[i] = d[i].slot;
+        f[0 * n + i] = 1.0f / d[i].temperature;
+        f[1 * n + i] = (float) (d[i].top_k > 0 && d[i].top_k < t->n_vocab ? d[i].top_k
+                                                                            : t->n_vocab);
+        f[2 * n + i] = d[i].top_p < 1.0f ? d[i].top_p : 2.0f;
+        f[3 * n + i] = d[i].min_p > 0.0f ? logf(d[i].min_p) : -1e30f;
+        f[4 * n + i] = d[i].uniform;
+    }
+}
+
+int cllm_slot_table_filtered_draw(struct cllm_slot_table * t, int32_t n,
+                                  const struct cllm_slot_draw * draws, int32_t * tokens,
+                                  int n_threads) {
+    if (t->logits == NULL || n < 0 || n > t->n_slots) {
+        return -1;
+    }
+    if (n == 0) {
+        return 0;
+    }
+    if (t->masker == NULL && (t->masker = masker_new(t, n_threads)) == NULL) {
+        return -1;
+    }
+    const struct slot_masker * k = t->masker;
+    const size_t graph_size = 64;
+    struct ggml_context * ctx = small_graph_ctx(graph_size);
+    if (ctx == NULL) {
+        return -1;
+    }
+    struct ggml_tensor * in[DRAW_INPUTS];
+    struct ggml_tensor * chosen = filtered_tokens(t, ctx, n, in);
+    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size, false);
+    ggml_build_forward_expand(gf, chosen);
+    int rc = -1;
+    if (ggml_gallocr_alloc_graph(k->galloc, gf)) {
+        drawer_stage(t, n, draws, k->staging);
+        for (int i = 0; i < DRAW_INPUTS; i++) {
+            ggml_backend_tensor_set(in[i], k->staging + (size_t) i * (size_t) n, 0,
+                                    (size_t) n * sizeof(int32_t));
+        }
+        rc = compute_tokens(k, gf, chosen, tokens, n);
     }
     ggml_free(ctx);
     return rc;

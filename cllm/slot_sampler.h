@@ -71,4 +71,25 @@ int cllm_slot_table_masked_argmax(struct cllm_slot_table * table, int32_t n,
                                   const int32_t * slots, const uint32_t * const * masks,
                                   int32_t * tokens, int n_threads);
 
+/* One row drawn on the device with filters (cllm_slot_table_filtered_draw). */
+struct cllm_slot_draw {
+    int32_t slot;
+    float temperature; /* > 0 */
+    int32_t top_k;     /* <= 0: off */
+    float top_p;       /* >= 1: off */
+    float min_p;       /* <= 0: off */
+    float uniform;     /* in [0, 1): the row's number from its sequence's generator */
+};
+
+/* The token each of the `n` rows draws, on the logits' device, from the last logits of its slot
+   and its bias, filtered as row_sampler.c filters (top-k, top-p over what top-k kept, min-p, on
+   the logits before the temperature; the cuts here fall between tied tokens, where the host
+   keeps them all), into tokens[i]. Each row's logits are sorted on the device; only the rows'
+   parameters go there and only the tokens come back. After the decode that computed the logits
+   has finished; on a CPU device with `n_threads`. 0, or -1 when the table has no rows yet, n is
+   out of range or the device failed. */
+int cllm_slot_table_filtered_draw(struct cllm_slot_table * table, int32_t n,
+                                  const struct cllm_slot_draw * draws, int32_t * tokens,
+                                  int n_threads);
+
 #endif

@@ -205,31 +205,75 @@ def test_seeded_sampling_in_the_graph_is_reproducible(graph_ctx, model):
     assert sample(42) != sample(43)
 
 
-def test_a_row_drawn_in_the_graph_follows_its_distribution(graph_ctx, model):
-    """The graph's draws at temperature 1 (a step of 8 rows of one prompt, each with its own
-    seed, 96 times) land on the prompt's next tokens as often as their probabilities say: the
-    three most likely and the rest, each within 5 standard deviations."""
-    prompt = model.tokenize("The capital of France is")
-    graph_ctx.set_sampler(0, host_logits=True)
-    _, logprobs = graph_ctx.step(ints([0]), ints([0]), ints([len(prompt)]), ints([1]),
-                                 ints(prompt), top_logprobs=ints([3]))
-    graph_ctx.remove_sequence(0)
-    top = [(token, math.exp(lp)) for token, lp in logprobs.row(0)[1]]
-    counts, n_rows, rounds = {}, 8, 96
+DRAW_PROMPT = "The capital of France is"
+
+
+def next_token_probabilities(context, model, k):
+    """The k most likely next tokens of DRAW_PROMPT and their probabilities, best first."""
+    prompt = model.tokenize(DRAW_PROMPT)
+    context.set_sampler(0, host_logits=True)
+    _, logprobs = context.step(ints([0]), ints([0]), ints([len(prompt)]), ints([1]),
+                               ints(prompt), top_logprobs=ints([k]))
+    context.remove_sequence(0)
+    return [(token, math.exp(lp)) for token, lp in logprobs.row(0)[1]]
+
+
+def first_tokens_drawn(context, model, rounds, seed_base, **sampling):
+    """How often each token is DRAW_PROMPT's next, over steps of 8 rows of it, each row with
+    its own seed."""
+    prompt = model.tokenize(DRAW_PROMPT)
+    counts, n_rows = {}, 8
     for round_ in range(rounds):
         for s in range(n_rows):
-            graph_ctx.set_sampler(s, temperature=1.0, seed=round_ * n_rows + s)
-        out = graph_ctx.step(ints(range(n_rows)), ints([0] * n_rows),
-                             ints([len(prompt)] * n_rows), ints([1] * n_rows),
-                             ints(prompt * n_rows))
+            context.set_sampler(s, seed=seed_base + round_ * n_rows + s, **sampling)
+        out = context.step(ints(range(n_rows)), ints([0] * n_rows), ints([len(prompt)] * n_rows),
+                           ints([1] * n_rows), ints(prompt * n_rows))
         for s in range(n_rows):
             counts[out[s]] = counts.get(out[s], 0) + 1
-            graph_ctx.remove_sequence(s)
-    n = rounds * n_rows
+            context.remove_sequence(s)
+    return counts
+
+
+def assert_within_5_sigma(drawn, n, p, context):
+    assert abs(drawn - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1, context
+
+
+def test_a_row_drawn_in_the_graph_follows_its_distribution(graph_ctx, model):
+    """The graph's draws at temperature 1 land on the prompt's next tokens as often as their
+    probabilities say: the three most likely and the rest, each within 5 standard
+    deviations."""
+    top = next_token_probabilities(graph_ctx, model, 3)
+    counts = first_tokens_drawn(graph_ctx, model, 96, 0, temperature=1.0)
+    n = sum(counts.values())
     bins = [(counts.get(token, 0), p) for token, p in top]
     bins.append((n - sum(c for c, _ in bins), 1.0 - sum(p for _, p in top)))
     for drawn, p in bins:
-        assert abs(drawn - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1, (bins, n)
+        assert_within_5_sigma(drawn, n, p, bins)
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0, "top_k": 3},
+                                    {"temperature": 2.0, "top_k": 2},
+                                    {"temperature": 1.0, "top_p": 0.8},
+                                    {"temperature": 0.7, "min_p": 0.05}],
+                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_rows_with_filters_drawn_on_the_device_follow_their_distribution(graph_ctx, model,
+                                                                        params):
+    """With backend sampling, a row with top-k, top-p or min-p (and no penalty) is drawn on
+    the device after the step: only tokens the filters keep come out (computed here from the
+    prompt's six most likely tokens, all the filters keep), each as often as its probability at
+    the row's temperature says, within 5 standard deviations."""
+    ranked = next_token_probabilities(graph_ctx, model, 6)
+    kept = ranked[:params.get("top_k", 6)]
+    kept = [(t, p) for i, (t, p) in enumerate(kept)  # top-p: while the mass before is under p
+            if sum(q for _, q in kept[:i]) < params.get("top_p", 1.0)]
+    kept = [(t, p) for t, p in kept if p >= params.get("min_p", 0.0) * ranked[0][1]]
+    weights = {t: p ** (1.0 / params["temperature"]) for t, p in kept}
+    counts = first_tokens_drawn(graph_ctx, model, 60, 1000 * len(repr(params)), **params)
+    assert graph_ctx.device_filters  # drawn on the device, not after a failure on the host
+    assert set(counts) <= set(weights)
+    n, total = sum(counts.values()), sum(weights.values())
+    for token, weight in weights.items():
+        assert_within_5_sigma(counts.get(token, 0), n, weight / total, (counts, weights))
 
 
 def test_penalties_change_greedy_output(ctx, model):
