@@ -636,6 +636,17 @@ int cllm_slot_table_masked_argmax(struct cllm_slot_table * t, int32_t n, const i
     return rc;
 }
 
+/* Whether `backend` runs every node of `gf` (a sort of a whole vocabulary row is beyond some
+   devices' kernels): the graph runs there alone, with no scheduler to move a node elsewhere. */
+static int backend_runs(ggml_backend_t backend, struct ggml_cgraph * gf) {
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        if (!ggml_backend_supports_op(backend, ggml_graph_node(gf, i))) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* The rows' parameters as graph inputs, each [1, m] but the slots [m]. */
 enum { DRAW_SLOTS, DRAW_INV_TEMP, DRAW_TOP_K, DRAW_TOP_P, DRAW_LOG_MIN_P, DRAW_UNIFORM,
        DRAW_INPUTS };
@@ -738,7 +749,7 @@ int cllm_slot_table_filtered_draw(struct cllm_slot_table * t, int32_t n,
     struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size, false);
     ggml_build_forward_expand(gf, chosen);
     int rc = -1;
-    if (ggml_gallocr_alloc_graph(k->galloc, gf)) {
+    if (backend_runs(k->backend, gf) && ggml_gallocr_alloc_graph(k->galloc, gf)) {
         drawer_stage(t, n, draws, k->staging);
         for (int i = 0; i < DRAW_INPUTS; i++) {
             ggml_backend_tensor_set(in[i], k->staging + (size_t) i * (size_t) n, 0,
