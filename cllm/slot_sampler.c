@@ -720,7 +720,8 @@ static void drawer_stage(const struct cllm_slot_table * t, int32_t n,
         f[0 * n + i] = 1.0f / d[i].temperature;
         f[1 * n + i] = (float) (d[i].top_k > 0 && d[i].top_k < t->n_vocab ? d[i].top_k
                                                                             : t->n_vocab);
-        f[2 * n + i] = d[i].top_p < 1.0f ? d[i].top_p : 2.0f;
+        /* top-p 0 keeps the best token alone, as the host does: its probability before is 0 */
+        f[2 * n + i] = d[i].top_p >= 1.0f ? 2.0f : d[i].top_p > 1e-6f ? d[i].top_p : 1e-6f;
         f[3 * n + i] = d[i].min_p > 0.0f ? logf(d[i].min_p) : -1e30f;
         f[4 * n + i] = d[i].uniform;
     }

@@ -254,6 +254,7 @@ def test_a_row_drawn_in_the_graph_follows_its_distribution(graph_ctx, model):
 @pytest.mark.parametrize("params", [{"temperature": 1.0, "top_k": 3},
                                     {"temperature": 2.0, "top_k": 2},
                                     {"temperature": 1.0, "top_p": 0.8},
+                                    {"temperature": 1.0, "top_p": 0.0},
                                     {"temperature": 0.7, "min_p": 0.05}],
                          ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
 def test_rows_with_filters_drawn_on_the_device_follow_their_distribution(graph_ctx, model,
@@ -265,7 +266,7 @@ def test_rows_with_filters_drawn_on_the_device_follow_their_distribution(graph_c
     ranked = next_token_probabilities(graph_ctx, model, 6)
     kept = ranked[:params.get("top_k", 6)]
     kept = [(t, p) for i, (t, p) in enumerate(kept)  # top-p: while the mass before is under p
-            if sum(q for _, q in kept[:i]) < params.get("top_p", 1.0)]
+            if i == 0 or sum(q for _, q in kept[:i]) < params.get("top_p", 1.0)]
     kept = [(t, p) for t, p in kept if p >= params.get("min_p", 0.0) * ranked[0][1]]
     weights = {t: p ** (1.0 / params["temperature"]) for t, p in kept}
     counts = first_tokens_drawn(graph_ctx, model, 60, 1000 * len(repr(params)), **params)
