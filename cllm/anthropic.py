@@ -9,13 +9,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cllm import api
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.config import SamplingParams
 from cllm.engine import Delta
 from cllm.formats import Choice, TypedEventsFormat, matched_stop
 from cllm.responses import anthropic_error
 from cllm.sequence import FINISH_LENGTH
-from cllm.server import AppState, chat_prompt, new_format, read_json, respond
+from cllm.http_common import AppState, chat_prompt, new_format, read_json, respond
 
 @dataclass(slots=True)
 class MessagesRequest:

@@ -11,30 +11,12 @@ import re
 from dataclasses import dataclass
 
 from cllm.config import MAX_TOP_LOGPROBS, SamplingParams
+from cllm.errors import APIError
 from cllm.tools import Tool, ToolSpec
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID = (1 << 31) - 1  # llama_token is int32
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions and /generate
-
-
-class APIError(Exception):
-    """An error that becomes an HTTP response with an OpenAI-shaped body."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code,
-                          "param": self.param}}
 
 
 @dataclass(frozen=True, slots=True)

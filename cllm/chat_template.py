@@ -19,7 +19,7 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from cllm.api import APIError
+from cllm.errors import APIError
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

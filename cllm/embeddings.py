@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cllm import api
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.embedder import Stopped
-from cllm.server import AppState, read_json, shutting_down, tokenize_text, until_disconnect
+from cllm.http_common import AppState, read_json, shutting_down, tokenize_text, until_disconnect
 
 MAX_INPUTS = 2048  # OpenAI's limits per request
 MAX_TOKENS = 300_000  # the inputs' tokens summed

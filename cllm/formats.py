@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cllm import responses
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.engine import Delta, TokenLogprob
 from cllm.responses import Token
 from cllm.sequence import FINISH_STOP

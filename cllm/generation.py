@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.engine import Delta, RequestStream
 from cllm.formats import Choice, Format, usage
 from cllm.sequence import FINISH_ERROR, FINISH_LENGTH, FINISH_SHUTDOWN, FINISH_STOP, FINISH_TIMEOUT

@@ -12,12 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cllm import api
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.config import SamplingParams
 from cllm.engine import Delta
 from cllm.formats import Choice, Format, matched_stop
 from cllm.sequence import FINISH_LENGTH
-from cllm.server import (AppState, constrained, new_format, read_json, respond,
+from cllm.http_common import (AppState, constrained, new_format, read_json, respond,
                          tokenize_text)
 
 # llama-server's sampling defaults (common_params_sampling), for fields a request leaves out.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from cllm.api import APIError
+from cllm.errors import APIError
 
 # OpenAI reports impossible tokens as -9999.0; -inf and NaN are not valid JSON.
 MIN_LOGPROB = -9999.0

@@ -26,12 +26,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cllm import metrics, routing
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.config import ServerConfig
 from cllm.openai_responses import error_event
 from cllm.responses import sse_event, typed_event
-from cllm.serve import app_for
-from cllm.server import access_checks, error_response, error_shape, read_body
+from cllm.launch import app_for
+from cllm.http_common import error_response, error_shape, read_body
+from cllm.server import access_checks
 
 log = logging.getLogger("cllm.scaleout")
 

@@ -7,8 +7,8 @@ from importlib.resources import files
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cllm.api import APIError
-from cllm.server import AppState
+from cllm.errors import APIError
+from cllm.http_common import AppState
 
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 # The page runs only its own script and talks only to this server.

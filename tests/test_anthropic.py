@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from cllm.anthropic import parse_request
-from cllm.api import APIError
+from cllm.errors import APIError
 from server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"

@@ -3,10 +3,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cllm.api import (APIError, ChatRequest, CompletionRequest, GenerateRequest, parse_chat,
+from cllm.api import (ChatRequest, CompletionRequest, GenerateRequest, parse_chat,
                       parse_completion, parse_detokenize, parse_generate, parse_json_body,
                       parse_tokenize)
 from cllm.config import SamplingParams
+from cllm.errors import APIError
 
 LIMITS = {"max_n": 4, "max_tokens_limit": 1000}
 

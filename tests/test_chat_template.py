@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.chat_template import ChatTemplate, TemplateRenderer
 
 

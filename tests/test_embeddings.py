@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.embedder import pooling_of
 from cllm.embeddings import MAX_INPUTS, MAX_TOKENS, parse_embeddings
 from http_checks import assert_error, read_until_closed, wait_for_metric

@@ -1,7 +1,7 @@
 """llama-server's /completion body (cllm/native.py): no model needed."""
 import pytest
 
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.native import SAMPLING_DEFAULTS, parse_completion, timings
 
 

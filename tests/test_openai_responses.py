@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.openai_responses import parse_request
 from server_process import ServerProcess
 from test_core import ON_GPU_NOT_BATCH_INVARIANT

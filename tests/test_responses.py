@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cllm.api import APIError
+from cllm.errors import APIError
 from cllm.responses import (Token, chat_choice, chat_chunk, chat_logprobs, chat_response,
                             completion_choice, completion_chunk, completion_logprobs,
                             completion_response, generate_failure, generate_success, sse_event,

@@ -26,7 +26,7 @@ from cllm import steptimer
 from cllm.chat_template import ChatTemplate
 from cllm.config import ServerConfig
 from cllm.metrics import step_timer_counts
-from cllm.server import AppState, guarded
+from cllm.http_common import AppState, guarded
 from http_checks import (StreamGaps, assert_error, metrics, post_stream, read_until_closed,
                          sse_payloads, wait_for_metric)
 from server_process import ServerProcess
@@ -626,7 +626,7 @@ def test_slow_clients_are_cut_off():
 
 def test_headers_without_end_are_refused_and_the_server_goes_on(server):
     """A request whose headers keep coming is refused with a 400 once more than
-    serve.MAX_HEADER_BYTES of them wait incomplete, so no client grows the server's buffer
+    launch.MAX_HEADER_BYTES of them wait incomplete, so no client grows the server's buffer
     without bound; a request under the cap is served."""
     reply = b""
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
@@ -1048,9 +1048,9 @@ def test_metrics_count_prefix_cache_lookups_and_hits(fresh_http):
 def test_a_failed_engine_turns_every_route_and_health_to_503():
     from types import SimpleNamespace
 
-    from cllm.api import APIError
+    from cllm.errors import APIError
     from cllm.config import ServerConfig
-    from cllm.server import AppState
+    from cllm.http_common import AppState
 
     state = AppState(ServerConfig(), MODEL)
     state.engine = SimpleNamespace(failure="the engine failed: RuntimeError: injected")
