@@ -38,8 +38,9 @@ OPTIONS = {
                    "one KV pool for all sequences (--no-kv-unified: ctx-size / parallel each; "
                    "default: split on a CPU, one pool on a GPU)"),
     "backend_sampling": (_flag, _ENGINE.backend_sampling,
-                         "sample greedy requests inside llama.cpp's graph on the device, so their "
-                         "logits never reach the host (default: on a GPU, off on a CPU)"),
+                         "sample on the device: greedy and temperature-only requests inside "
+                         "llama.cpp's graph, those with top-k, top-p or min-p just after it, so "
+                         "their logits never reach the host (default: on a GPU, off on a CPU)"),
     "prefix_cache": (_flag, _ENGINE.prefix_cache,
                      "start requests from cached KV of the prompt prefixes they share"),
     "cache_replies": (str, _ENGINE.cache_replies,
@@ -106,16 +107,37 @@ OPTIONS = {
 }
 
 
+# --help's sections, in order: what most users set first, the rules the server sets itself
+# (defaults chosen by the device, docs in ARCHITECTURE.md) in "tuning".
+GROUPS = {
+    "model": ("model", "served_model_name", "n_gpu_layers"),
+    "server and security": ("host", "port", "api_key", "api_key_file", "request_timeout",
+                            "max_queue", "max_body_bytes", "client_timeout", "max_connections",
+                            "shutdown_grace", "template_timeout", "log_level"),
+    "KV cache and scheduling": ("parallel", "ctx_size", "kv_unified", "prefix_cache",
+                                "cache_replies", "cache_prompts", "batch_size"),
+    "tuning": ("threads", "cpu_wait", "flash_attn", "backend_sampling", "ubatch_size",
+               "prefill_stagger", "decode_steps", "successor_wait", "stream_interval"),
+    "scale-out (Ray Serve)": ("replicas", "ray_address", "min_replicas", "max_replicas",
+                              "target_ongoing_requests", "max_ongoing_requests",
+                              "front_replicas", "routing", "gpus_per_replica"),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m cllm.serve", description=__doc__)
-    parser.add_argument("--config", type=Path, help="TOML file of options")
-    for name, (type_, default, help_) in OPTIONS.items():
-        flag, help_ = "--" + name.replace("_", "-"), f"{help_} [{default}]"
-        if type_ is _flag:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_)
-        else:
-            parser.add_argument(flag, type=type_, default=None, help=help_)
+    parser.add_argument("--config", type=Path, help="TOML file of options "
+                        "(docs/cllm.example.toml: each one, commented)")
+    for title, names in GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            type_, default, help_ = OPTIONS[name]
+            flag, help_ = "--" + name.replace("_", "-"), f"{help_} [{default}]"
+            if type_ is _flag:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_)
+            else:
+                group.add_argument(flag, type=type_, default=None, help=help_)
     args = vars(parser.parse_args(argv))
     file_values = _read_config(args.pop("config"))
     unknown = set(file_values) - set(OPTIONS)

@@ -155,3 +155,31 @@ def test_a_wait_policy_applied_while_loading_leaves_the_environment_as_it_was(no
     with cpu_wait_while_loading("sleep", 0) as policy:
         assert policy == "environment"
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_every_option_sits_in_one_help_group(capsys):
+    grouped = [name for names in serve.GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(serve.OPTIONS)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    shown = capsys.readouterr().out
+    assert all(f"\n{title}:\n" in shown for title in serve.GROUPS)
+
+
+def test_the_example_config_sets_every_option_when_uncommented(tmp_path):
+    """docs/cllm.example.toml, each `# key = value` line uncommented: every option, each value
+    of the option's type."""
+    example = Path(__file__).resolve().parent.parent / "docs" / "cllm.example.toml"
+    settings = [line[2:].split("  #")[0] for line in example.read_text().splitlines()
+                if line.startswith("# ") and " = " in line and line[2:3].islower()]
+    config = tmp_path / "cllm.toml"
+    config.write_text("\n".join(settings) + "\n")
+    options = serve.parse_args(["--config", str(config)])
+    assert sorted(line.split(" = ")[0] for line in settings) == sorted(serve.OPTIONS)
+    assert options["port"] == 8080 and options["model"] == "smollm2-135m-instruct"
+    assert options["kv_unified"] is False and options["gpus_per_replica"] == 1.0
+
+
+def test_the_configuration_page_lists_every_option():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert all(f"`--{name.replace('_', '-')}" in page for name in serve.OPTIONS)
