@@ -41,8 +41,8 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
     system = body.get("system")
     if system is not None:
         turns = [{"role": "system", "content": system}, *turns]
-    messages = api._messages(turns)  # text blocks are chat's text parts
-    max_tokens = api._count(body, "max_tokens", 1, max_tokens_limit, None)
+    messages = api.read_messages(turns)  # text blocks are chat's text parts
+    max_tokens = api.read_count(body, "max_tokens", 1, max_tokens_limit, None)
     if max_tokens is None:
         raise APIError(400, "max_tokens is required", param="max_tokens")
     stops = body.get("stop_sequences")
@@ -51,13 +51,9 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
         raise APIError(400, "stop_sequences must be an array of strings",
                        param="stop_sequences")
     fields = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
-              "top_k": body.get("top_k"), "stop": stops}
-    try:
-        sampling = api._sampling(fields, max_tokens, None)
-    except APIError as e:
-        raise APIError(400, e.message.replace("stop", "stop_sequences"),
-                       param="stop_sequences" if e.param == "stop" else e.param) from None
-    return MessagesRequest(messages, api._field(body, "stream", "a boolean", False), sampling)
+              "top_k": body.get("top_k"), "stop_sequences": stops}
+    sampling = api.read_sampling(fields, max_tokens, None, stop_field="stop_sequences")
+    return MessagesRequest(messages, api.read_field(body, "stream", "a boolean", False), sampling)
 
 
 class MessagesFormat(TypedEventsFormat):

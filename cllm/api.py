@@ -140,7 +140,7 @@ _KINDS = {"an integer": int, "a number": (int, float), "a boolean": bool, "a str
           "an object": dict}
 
 
-def _field(body: dict, name: str, kind: str, default=None):
+def read_field(body: dict, name: str, kind: str, default=None):
     """body[name] if it has the JSON type `kind`, `default` when absent or null.
     bool is a subclass of int in Python, but true is never a number in JSON."""
     value = body.get(name)
@@ -163,28 +163,28 @@ def _to_float(name: str, value: int | float) -> float:
     return result
 
 
-def _count(body: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
-    value = _field(body, name, "an integer", default)
+def read_count(body: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
+    value = read_field(body, name, "an integer", default)
     if value is not None and not lo <= value <= hi:
         raise _invalid(name, f"{name} must be between {lo} and {hi}, got {value}")
     return value
 
 
-def _stop(value: object) -> tuple[str, ...]:
+def _stop(value: object, field: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
         return (value,)
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(value)
-    raise _invalid("stop", "stop must be a string or an array of strings")
+    raise _invalid(field, f"{field} must be a string or an array of strings")
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
     """(stream, stream_options.include_usage)."""
-    stream = _field(body, "stream", "a boolean", False)
-    options = _field(body, "stream_options", "an object", {})
-    return stream, stream and _field(options, "include_usage", "a boolean", False)
+    stream = read_field(body, "stream", "a boolean", False)
+    options = read_field(body, "stream_options", "an object", {})
+    return stream, stream and read_field(options, "include_usage", "a boolean", False)
 
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__slots__)
@@ -194,57 +194,60 @@ MIN_TEMPERATURE = 1e-6
 
 
 def _temperature(body: dict) -> float:
-    value = _field(body, "temperature", "a number", 1.0)
+    value = read_field(body, "temperature", "a number", 1.0)
     return 0.0 if 0.0 < value < MIN_TEMPERATURE else value
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The sampling fields shared by every endpoint; SamplingParams checks the ranges."""
+def read_sampling(body: dict, max_tokens: int, logprobs: int | None,
+                  stop_field: str = "stop") -> SamplingParams:
+    """The sampling fields shared by every endpoint; SamplingParams checks the ranges. The stop
+    strings come from `stop_field` (Anthropic's `stop_sequences`), and its errors name it."""
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_temperature(body),
-            top_p=_field(body, "top_p", "a number", 1.0),
-            top_k=_field(body, "top_k", "an integer", 0),
-            min_p=_field(body, "min_p", "a number", 0.0),
-            repeat_penalty=_field(body, "repeat_penalty", "a number", 1.0),
-            presence_penalty=_field(body, "presence_penalty", "a number", 0.0),
-            frequency_penalty=_field(body, "frequency_penalty", "a number", 0.0),
-            seed=_field(body, "seed", "an integer"),
-            stop=_stop(body.get("stop")),
-            ignore_eos=_field(body, "ignore_eos", "a boolean", False),
+            top_p=read_field(body, "top_p", "a number", 1.0),
+            top_k=read_field(body, "top_k", "an integer", 0),
+            min_p=read_field(body, "min_p", "a number", 0.0),
+            repeat_penalty=read_field(body, "repeat_penalty", "a number", 1.0),
+            presence_penalty=read_field(body, "presence_penalty", "a number", 0.0),
+            frequency_penalty=read_field(body, "frequency_penalty", "a number", 0.0),
+            seed=read_field(body, "seed", "an integer"),
+            stop=_stop(body.get(stop_field), stop_field),
+            ignore_eos=read_field(body, "ignore_eos", "a boolean", False),
             logprobs=logprobs,
         )
     except ValueError as e:
         # SamplingParams' messages name the field ("top_p must be between ..."): reuse that name.
         words = str(e).replace(",", " ").split()
-        raise _invalid(next((w for w in words if w in _SAMPLING_FIELDS), None), str(e)) from None
+        name = next((w for w in words if w in _SAMPLING_FIELDS), None)
+        raise _invalid(stop_field if name == "stop" else name, str(e)) from None
 
 
-def _cache_prompt(body: dict) -> bool:
+def read_cache_prompt(body: dict) -> bool:
     """llama-server's per-request switch: false computes the whole prompt, cached or not."""
-    return _field(body, "cache_prompt", "a boolean", True)
+    return read_field(body, "cache_prompt", "a boolean", True)
 
 
 def _return_token_ids(body: dict) -> bool:
     """vLLM's switch: the prompt's and each choice's token ids in the response."""
-    return _field(body, "return_token_ids", "a boolean", False)
+    return read_field(body, "return_token_ids", "a boolean", False)
 
 
 # Fields that change the output but are not implemented yet: refused, never silently ignored.
 # Each maps to the values that ask for nothing (null, absent, and these), which are accepted.
-_NOT_IMPLEMENTED = {"logit_bias": ({},),
+NOT_IMPLEMENTED = {"logit_bias": ({},),
                     # vLLM's own sampling fields
                     "min_tokens": (0,), "repetition_penalty": (1,), "stop_token_ids": ([],),
                     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,)}
-_NOT_IMPLEMENTED_IN_COMPLETIONS = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",),
+_NOT_IMPLEMENTED_IN_COMPLETIONS = {**NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",),
                                    "echo": (False,)}
 # vLLM's chat switches: a reply always starts a new assistant turn and holds only the reply.
-_NOT_IMPLEMENTED_IN_CHAT = {**_NOT_IMPLEMENTED, "echo": (False,), "add_generation_prompt": (True,),
+_NOT_IMPLEMENTED_IN_CHAT = {**NOT_IMPLEMENTED, "echo": (False,), "add_generation_prompt": (True,),
                             "continue_final_message": (False,), "chat_template_kwargs": ({},)}
 
 
-def _refuse_unimplemented(body: dict, fields: dict = _NOT_IMPLEMENTED) -> None:
+def refuse_unimplemented(body: dict, fields: dict = NOT_IMPLEMENTED) -> None:
     for name, harmless in fields.items():
         value = body.get(name)
         if value is not None and value not in harmless:
@@ -283,7 +286,7 @@ def _response_format(value: object) -> Constraint | None:
                    "response_format.type must be text, json_object or json_schema")
 
 
-def _constraint(body: dict) -> Constraint | None:
+def read_constraint(body: dict) -> Constraint | None:
     """The output's constraint from response_format, or llama-server's json_schema or grammar
     (GBNF) fields: at most one of them."""
     given = [name for name in ("response_format", "json_schema", "grammar")
@@ -326,7 +329,7 @@ def _tool_spec(body: dict) -> ToolSpec | None:
     """tools, tool_choice and parallel_tool_calls; None when no tool is offered."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    parallel = _field(body, "parallel_tool_calls", "a boolean", True)
+    parallel = read_field(body, "parallel_tool_calls", "a boolean", True)
     if tools is not None and not isinstance(tools, list):
         raise _invalid("tools", "tools must be an array")
     if not tools:
@@ -350,17 +353,17 @@ def _tool_spec(body: dict) -> ToolSpec | None:
 
 # ---- endpoints ----
 
-def _is_token(value: object) -> bool:
+def is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
 
 
-def _prompt(value: object) -> str | list[int]:
+def read_prompt(value: object) -> str | list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # OpenAI's batch form holding a single prompt
     if isinstance(value, str) and value:
         return value
     if isinstance(value, list) and value:
-        if all(_is_token(t) for t in value):
+        if all(is_token(t) for t in value):
             return value
         if any(isinstance(p, (str, list)) for p in value):
             raise _invalid("prompt", "prompt: one prompt per request, use n for several")
@@ -369,18 +372,18 @@ def _prompt(value: object) -> str | list[int]:
 
 
 def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
-    prompt = _prompt(body.get("prompt"))
-    _refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_COMPLETIONS)
-    max_tokens = _count(body, "max_tokens", 1, max_tokens_limit,
+    prompt = read_prompt(body.get("prompt"))
+    refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_COMPLETIONS)
+    max_tokens = read_count(body, "max_tokens", 1, max_tokens_limit,
                         min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
-    logprobs = _count(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+    logprobs = read_count(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
     stream, include_usage = _stream(body)
     return CompletionRequest(
-        model=_field(body, "model", "a string"), prompt=prompt,
-        n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
-        sampling=_sampling(body, max_tokens, logprobs),
-        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body),
-        constraint=_constraint(body))
+        model=read_field(body, "model", "a string"), prompt=prompt,
+        n=read_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
+        sampling=read_sampling(body, max_tokens, logprobs),
+        cache_prompt=read_cache_prompt(body), return_token_ids=_return_token_ids(body),
+        constraint=read_constraint(body))
 
 
 def _content(where: str, role: str, content: object) -> str:
@@ -401,7 +404,7 @@ def _content(where: str, role: str, content: object) -> str:
     return "\n".join(texts)
 
 
-def _messages(value: object) -> list[dict]:
+def read_messages(value: object) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise _invalid("messages", "messages must be a non-empty array")
     messages = []
@@ -439,25 +442,25 @@ def _tool_calls(where: str, calls: object) -> list[dict]:
 def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     """Without max_tokens (or max_completion_tokens, its newer name) a reply may run until the
     context is full: max_tokens_limit."""
-    messages = _messages(body.get("messages"))
-    _refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_CHAT)
-    tools, constraint = _tool_spec(body), _constraint(body)
+    messages = read_messages(body.get("messages"))
+    refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_CHAT)
+    tools, constraint = _tool_spec(body), read_constraint(body)
     if tools is not None and tools.choice in ("required", "function") and constraint:
         raise _invalid("tool_choice", f"tool_choice {tools.choice!r} constrains the reply "
                        "already: it does not go with response_format, json_schema or grammar")
-    max_tokens = _count(body, "max_completion_tokens", 1, max_tokens_limit, None)
+    max_tokens = read_count(body, "max_completion_tokens", 1, max_tokens_limit, None)
     if max_tokens is None:
-        max_tokens = _count(body, "max_tokens", 1, max_tokens_limit, max_tokens_limit)
-    want_logprobs = _field(body, "logprobs", "a boolean", False)
-    top = _count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+        max_tokens = read_count(body, "max_tokens", 1, max_tokens_limit, max_tokens_limit)
+    want_logprobs = read_field(body, "logprobs", "a boolean", False)
+    top = read_count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if top and not want_logprobs:
         raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     stream, include_usage = _stream(body)
     return ChatRequest(
-        model=_field(body, "model", "a string"), messages=messages,
-        n=_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
-        sampling=_sampling(body, max_tokens, top if want_logprobs else None),
-        cache_prompt=_cache_prompt(body), return_token_ids=_return_token_ids(body),
+        model=read_field(body, "model", "a string"), messages=messages,
+        n=read_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
+        sampling=read_sampling(body, max_tokens, top if want_logprobs else None),
+        cache_prompt=read_cache_prompt(body), return_token_ids=_return_token_ids(body),
         constraint=constraint, tools=tools)
 
 
@@ -465,30 +468,30 @@ def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
     """The original API: {"prompt", "max_tokens", "temperature", "top_p", "top_k", "stream"}, plus
     seed, stop, ignore_eos, min_p, repeat_penalty and the penalties. Defaults: max_tokens 16,
     temperature 1.0, top_p 1.0, top_k 0 (off)."""
-    _refuse_unimplemented(body)
-    prompt = _field(body, "prompt", "a string")
+    refuse_unimplemented(body)
+    prompt = read_field(body, "prompt", "a string")
     if not prompt:
         raise _invalid("prompt", "prompt must be a non-empty string")
-    max_tokens = _count(body, "max_tokens", 1, max_tokens_limit,
+    max_tokens = read_count(body, "max_tokens", 1, max_tokens_limit,
                         min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
-    return GenerateRequest(prompt=prompt, stream=_field(body, "stream", "a boolean", False),
-                           sampling=_sampling(body, max_tokens, None),
-                           cache_prompt=_cache_prompt(body), constraint=_constraint(body))
+    return GenerateRequest(prompt=prompt, stream=read_field(body, "stream", "a boolean", False),
+                           sampling=read_sampling(body, max_tokens, None),
+                           cache_prompt=read_cache_prompt(body), constraint=read_constraint(body))
 
 
 def parse_tokenize(body: dict) -> tuple[str, bool, bool]:
     """llama-server's /tokenize: {"content": str, "add_special": bool, "with_pieces": bool}
     (both false by default)."""
-    content = _field(body, "content", "a string")
+    content = read_field(body, "content", "a string")
     if content is None:
         raise _invalid("content", "content is required")
-    return (content, _field(body, "add_special", "a boolean", False),
-            _field(body, "with_pieces", "a boolean", False))
+    return (content, read_field(body, "add_special", "a boolean", False),
+            read_field(body, "with_pieces", "a boolean", False))
 
 
 def parse_detokenize(body: dict) -> list[int]:
     """llama-server's /detokenize: {"tokens": [int, ...]}."""
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_token(t) for t in tokens):
+    if not isinstance(tokens, list) or not all(is_token(t) for t in tokens):
         raise _invalid("tokens", f"tokens must be an array of integers from 0 to {MAX_TOKEN_ID}")
     return tokens

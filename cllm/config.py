@@ -9,8 +9,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from cllm.prefix_cache import Retention
-
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_TOP_LOGPROBS = 20
@@ -134,8 +132,8 @@ class EngineConfig:
             raise ValueError(f"cpu_wait must be one of {', '.join(CPU_WAIT_MODES)}, "
                              f"got {self.cpu_wait!r}")
         for name in ("cache_replies", "cache_prompts"):
-            if getattr(self, name) not in Retention.MODES:
-                raise ValueError(f"{name} must be one of {', '.join(Retention.MODES)}, "
+            if getattr(self, name) not in RETENTION_MODES:
+                raise ValueError(f"{name} must be one of {', '.join(RETENTION_MODES)}, "
                                  f"got {getattr(self, name)!r}")
 
 
@@ -167,6 +165,8 @@ class ServerConfig:
 
 
 CPU_WAIT_MODES = ("auto", "spin", "sleep")
+# Whether finished requests' cells stay cached in one pool (prefix_cache.Retention decides).
+RETENTION_MODES = ("auto", "keep", "drop")
 
 
 def usable_cores() -> int:

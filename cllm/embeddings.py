@@ -32,10 +32,10 @@ class EmbeddingsRequest:
 def parse_embeddings(body: dict) -> EmbeddingsRequest:
     """input: a string, an array of strings, an array of token ids, or an array of arrays of
     token ids; encoding_format: float (default) or base64."""
-    api._refuse_unimplemented(body, _NOT_IMPLEMENTED)
+    api.refuse_unimplemented(body, _NOT_IMPLEMENTED)
     value = body.get("input")
     if isinstance(value, str) or (isinstance(value, list) and value
-                                  and all(api._is_token(t) for t in value)):
+                                  and all(api.is_token(t) for t in value)):
         value = [value]
     if not isinstance(value, list) or not value:
         raise APIError(400, "input must be a non-empty string or array", param="input")
@@ -43,10 +43,10 @@ def parse_embeddings(body: dict) -> EmbeddingsRequest:
         raise APIError(400, f"at most {MAX_INPUTS} inputs, got {len(value)}", param="input")
     for i, item in enumerate(value):
         if not (isinstance(item, str) and item) and not (
-                isinstance(item, list) and item and all(api._is_token(t) for t in item)):
+                isinstance(item, list) and item and all(api.is_token(t) for t in item)):
             raise APIError(400, f"input[{i}] must be a non-empty string or array of token ids",
                            param="input")
-    encoding = api._field(body, "encoding_format", "a string", "float")
+    encoding = api.read_field(body, "encoding_format", "a string", "float")
     if encoding not in ("float", "base64"):
         raise APIError(400, "encoding_format must be float or base64", param="encoding_format")
     return EmbeddingsRequest(value, encoding == "base64")

@@ -1,7 +1,8 @@
 """The engine: one thread runs schedule → decode-and-sample → postprocess, step after step, and
 hands each step's new text to the requests' asyncio streams in one call per event loop.
 
-The only importer of cllm._core. Scheduler state is touched by the engine thread alone; other
+It and the embedder (embedder.py) are the only modules that import cllm._core: the HTTP layer
+reaches llama.cpp through them. Scheduler state is touched by the engine thread alone; other
 threads talk to it through the inbox."""
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from cllm.http_common import (AppState, constrained, new_format, read_json, resp
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 # Its samplers cllm does not have, with the values that leave them off (their defaults): any
 # other is refused, never silently ignored.
-_NOT_IMPLEMENTED = {**api._NOT_IMPLEMENTED, "mirostat": (0,), "typical_p": (1,),
+_NOT_IMPLEMENTED = {**api.NOT_IMPLEMENTED, "mirostat": (0,), "typical_p": (1,),
                     "dynatemp_range": (0,), "xtc_probability": (0,), "dry_multiplier": (0,)}
 
 
@@ -42,14 +42,14 @@ class NativeCompletionRequest:
 def parse_completion(body: dict, *, max_tokens_limit: int) -> NativeCompletionRequest:
     """llama-server's body: prompt (text or token ids), n_predict (-1: until the context is
     full), its sampling fields with its defaults, stream, cache_prompt, return_tokens."""
-    prompt = api._prompt(body.get("prompt"))
-    api._refuse_unimplemented(body, _NOT_IMPLEMENTED)
-    if api._field(body, "n_probs", "an integer", 0):
+    prompt = api.read_prompt(body.get("prompt"))
+    api.refuse_unimplemented(body, _NOT_IMPLEMENTED)
+    if api.read_field(body, "n_probs", "an integer", 0):
         raise APIError(400, "n_probs is not supported on /completion; use /v1/completions "
                        "with logprobs", param="n_probs")
-    n_predict = api._field(body, "n_predict", "an integer")
+    n_predict = api.read_field(body, "n_predict", "an integer")
     if n_predict is None:  # llama-server reads OpenAI's name too
-        n_predict = api._field(body, "max_tokens", "an integer", -1)
+        n_predict = api.read_field(body, "max_tokens", "an integer", -1)
     if n_predict < 0:
         n_predict = max_tokens_limit
     elif not 1 <= n_predict <= max_tokens_limit:
@@ -57,11 +57,11 @@ def parse_completion(body: dict, *, max_tokens_limit: int) -> NativeCompletionRe
                        f"got {n_predict}", param="n_predict")
     given = {k: v for k, v in body.items() if v is not None}
     return NativeCompletionRequest(
-        prompt=prompt, stream=api._field(body, "stream", "a boolean", False),
-        sampling=api._sampling({**SAMPLING_DEFAULTS, **given}, n_predict, None),
-        cache_prompt=api._cache_prompt(body),
-        return_tokens=api._field(body, "return_tokens", "a boolean", False),
-        constraint=api._constraint(body))
+        prompt=prompt, stream=api.read_field(body, "stream", "a boolean", False),
+        sampling=api.read_sampling({**SAMPLING_DEFAULTS, **given}, n_predict, None),
+        cache_prompt=api.read_cache_prompt(body),
+        return_tokens=api.read_field(body, "return_tokens", "a boolean", False),
+        constraint=api.read_constraint(body))
 
 
 def timings(prompt_n: int, predicted_n: int, seconds: dict[str, float]) -> dict:

@@ -35,20 +35,20 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> ResponsesRequest:
     if body.get("previous_response_id") is not None:
         raise APIError(400, "this server stores no responses: send the whole conversation in "
                        "input instead of previous_response_id", param="previous_response_id")
-    api._refuse_unimplemented(body)
+    api.refuse_unimplemented(body)
     if body.get("tools"):
         raise APIError(400, "tools are not supported on /v1/responses; use /v1/chat/completions",
                        param="tools")
     text = body.get("text")
     if text is not None and text != {"format": {"type": "text"}}:
         raise APIError(400, "only text output is supported", param="text")
-    instructions = api._field(body, "instructions", "a string")
+    instructions = api.read_field(body, "instructions", "a string")
     messages = ([{"role": "system", "content": instructions}] if instructions else [])
     messages += _input(body.get("input"))
-    max_tokens = api._count(body, "max_output_tokens", 1, max_tokens_limit, max_tokens_limit)
+    max_tokens = api.read_count(body, "max_output_tokens", 1, max_tokens_limit, max_tokens_limit)
     return ResponsesRequest(messages, instructions,
-                            stream=api._field(body, "stream", "a boolean", False),
-                            sampling=api._sampling(body, max_tokens, None))
+                            stream=api.read_field(body, "stream", "a boolean", False),
+                            sampling=api.read_sampling(body, max_tokens, None))
 
 
 def error_event(error: APIError, sequence_number: int) -> dict:
@@ -75,7 +75,7 @@ def _input(value: object) -> list[dict]:
                        for p in content]
         messages.append({"role": item.get("role"), "content": content})
     try:
-        return api._messages(messages)
+        return api.read_messages(messages)
     except APIError as e:  # its checks, named as this API names the field
         raise APIError(400, e.message.replace("messages", "input"), param="input") from None
 

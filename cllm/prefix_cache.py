@@ -21,6 +21,8 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from cllm.config import RETENTION_MODES
+
 
 @dataclass(slots=True)
 class Run:
@@ -84,7 +86,7 @@ class Retention:
     signal survives dropping), and always before `min_admissions` were seen; `keep` and `drop`
     decide once for all."""
 
-    MODES = ("auto", "keep", "drop")
+    MODES = RETENTION_MODES
     WINDOW = 32
     SHARE = 0.25
 

@@ -57,6 +57,25 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def core_importers() -> set[str]:
+    """The modules that import the compiled core (cllm._core), anywhere in them."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            if "cllm._core" in names:
+                found.add(module_name(path))
+    return found
+
+
+def test_only_the_engine_and_the_embedder_import_the_core():
+    """The HTTP layer reaches llama.cpp through them (the benchmark's engine-direct series
+    loads the core itself, to set its threads' wait policy first)."""
+    assert core_importers() == {"cllm.engine", "cllm.embedder", "cllm.bench.direct"}
+
+
 def test_the_package_imports_form_no_cycle():
     edges = graph()
     assert "cllm.server" in edges and "cllm.http_common" in edges["cllm.server"]
