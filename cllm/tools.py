@@ -59,7 +59,7 @@ def _call_text(call: dict) -> str:
     arguments = function.get("arguments", "{}")
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:  # the client's own history: keep what it sent
+    except (ValueError, RecursionError):  # the client's own history: keep what it sent
         pass
     body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
     return f"{OPEN}\n{body}\n{CLOSE}"
@@ -180,9 +180,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def _parse_call(body: str) -> dict | None:
+    """The call a <tool_call> block holds, or None where it holds none (it stays content): not
+    JSON, not a call, or nested past what Python's recursion limit lets json parse."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -190,7 +192,7 @@ def _parse_call(body: str) -> dict | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return new_call(value["name"], arguments)
 

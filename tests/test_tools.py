@@ -62,6 +62,22 @@ def test_a_block_that_is_not_a_call_stays_content():
     assert split_reply("<tool_call>\n{\"name\": ") == ("<tool_call>\n{\"name\": ", [])
 
 
+DEEP = "[" * 5000 + "]" * 5000  # deeper than Python's recursion limit lets json parse
+
+
+def test_history_arguments_nested_past_the_recursion_limit_stay_as_sent():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    out, _ = prompt_messages([{"role": "assistant", "content": "", "tool_calls": [call]}], None,
+                             template_takes_tools=False)
+    assert DEEP in out[0]["content"]
+
+
+@pytest.mark.parametrize("arguments", [DEEP, json.dumps(DEEP)], ids=["object", "string"])
+def test_a_reply_whose_call_is_nested_past_the_recursion_limit_stays_content(arguments):
+    text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    assert split_reply(text) == (text, [])
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 100])
 def test_streamed_pieces_give_the_same_content_and_calls(size):
     text = f"Sure. {CALL}\n{CALL.replace('Paris', 'Rome')}"
