@@ -267,23 +267,13 @@ static int32_t draw_all(struct cllm_row_sampler * s, float * logits, int32_t n, 
         total += w->block[b];
     }
     const double target = cllm_row_sampler_take(s) * total;
-    double acc = 0.0;
-    int32_t b = 0, last = -1;
-    for (; b < n_blocks; b++) {
-        if (w->block[b] > 0.0f) {
-            last = b;
-            if (acc + w->block[b] > target) {
-                break;
-            }
-            acc += w->block[b];
-        }
-    }
-    if (last < 0) {
+    const int32_t b = walk(w->block, n_blocks, target);
+    if (b < 0) {
         return -1;
     }
-    if (b == n_blocks) {  /* rounding: the last block with any weight */
-        b = last;
-        acc -= w->block[b];
+    double acc = 0.0; /* the blocks before b, summed as walk summed them */
+    for (int32_t c = 0; c < b; c++) {
+        acc += w->block[c] > 0.0f ? w->block[c] : 0.0f;
     }
     const int32_t first = b * BLOCK, size = n - first < BLOCK ? n - first : BLOCK;
     const int32_t i = walk(w->weight + first, size, target - acc);
