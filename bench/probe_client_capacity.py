@@ -8,7 +8,7 @@ as it comes: W=1), so the client, not a model, is what is measured:
         --warmup 64 --prompt-tokens 128 --max-tokens 128 --tag client-capacity
 
 A server benchmarked at a rate near the client's capacity is measured wrongly; the Ray
-scale-out results (bench/results/h200x4-ray-scaling) compare against it."""
+scale-out results (docs/benchmarks.md) compare against it."""
 import asyncio
 import json
 import sys

@@ -43,8 +43,8 @@ def matchers_midway(model, rows: int, seed: int = 0) -> list:
 
 
 class Fills:
-    """The ways to fill every matcher's bitmask into one buffer: a call a row (cllm's way
-    before session 32), or structured.MaskFiller's one call on `threads`."""
+    """The ways to fill every matcher's bitmask into one buffer: a call a row, or
+    structured.MaskFiller's one call on `threads`."""
 
     def __init__(self, matchers: list, words: int) -> None:
         self.matchers, self.words = matchers, words

@@ -775,7 +775,7 @@ def test_a_request_sent_as_another_ends_starts_in_the_next_step(model_path):
     apart from the decodes (split streams on a CPU: in the second's decode step), twice where a
     prompt step carries them (a GPU). One decode step a call: a decode run goes on past a row's
     end and hands the end over when it stops, so the client sends the successor after the whole
-    run (bench/results/h200-s48/)."""
+    run."""
     eng = Engine(EngineConfig(n_ctx=4 * 512, n_parallel=4, n_threads=2, kv_unified=False,
                               successor_wait=0.5, decode_steps=1), model_path)
     try:

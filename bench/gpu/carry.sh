@@ -1,6 +1,6 @@
 #!/bin/bash
 # Staging folders that no longer fit beside the working tree, in chunks: a device call carries
-# 64 MiB with the tree, which is ~41 MiB since bench/results grew, so the model's 32 MiB parts
+# 64 MiB with the tree, so the model's 32 MiB parts
 # (.device/m1-m3) and Ray's 38 MiB halves (.device/ray/r1-r3) go as 21 MiB chunks instead.
 #
 #   bash bench/gpu/carry.sh split [FOLDER...]  here: tar the folders (default: .device/m1 m2 m3

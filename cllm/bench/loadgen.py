@@ -203,7 +203,7 @@ class Connections:
     request in flight. aiohttp rather than httpx: on a 2-core machine the client shares the
     cores with the server it measures, and at 32 streams httpx took ~0.2 ms of CPU a streamed
     token (5.5% of a core) and ~5 ms from a response's end to the next request reaching the
-    server, aiohttp 0.05 ms and ~2.5 ms (bench/results/intel-avx512-cpu-s50/). A closed loop's
+    server, aiohttp 0.05 ms and ~2.5 ms (2-core Intel Xeon). A closed loop's
     server idles through that turnaround, and a cllm engine waiting for successors with it."""
 
     CONNECT_TIMEOUT = 30.0  # seconds

@@ -121,8 +121,7 @@ _COLUMNS = (("server", 20, "{}"), ("level", 12, "{}"), ("ok", 4, "{}"), ("fail",
 
 
 # A client process busy this much of a level's wall time is near its own ceiling: one Python
-# process, one core (its httpx pool once capped it at ~48 requests a second; see
-# bench/results/h200x4-ray-scaling).
+# process, one core (an httpx client capped at ~48 requests a second).
 CLIENT_BUSY = 0.9
 
 
