@@ -4,7 +4,7 @@ Runs `python -m cllm.bench --engine-direct` with the arguments given, while reco
 engine step (start, end, its chunks) and every request (arrival, first token). Then, for each
 request that found part of its prompt cached: the rest of the step in flight when it arrived,
 the steps that ran after that before the step that ended its prompt, and that step. E.g. the
-shared-document workload of issue 11:
+shared-document workload:
 
     python bench/probe_first_token_steps.py --threads 2 --workload shared-prefix --parallel 8 \\
         --ctx-size 16384 --concurrency 8 --requests 48 --max-tokens 50 --warmup 0 --out /tmp/p

@@ -64,7 +64,8 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                                                                     n_threads=threads))
     apply_cpu_wait(config.engine.cpu_wait, threads)  # decided here, applied in the replicas
     parallel = config.engine.n_parallel
-    # A front per replica: one front for 2 or 4 GPU replicas was their ceiling (ARCHITECTURE.md).
+    # A front per replica: one front for 2 or 4 GPU replicas was their ceiling
+    # (docs/design/scale-out.md).
     fronts = options["front_replicas"]
     if fronts is None:
         fronts = options["max_replicas"] or replicas
@@ -74,7 +75,7 @@ def _layout(config: ServerConfig, options: dict) -> tuple[ServerConfig, Plan]:
                 target_ongoing_requests=options["target_ongoing_requests"] or parallel,
                 # Twice the slots: at the slots themselves, requests beyond them wait in the
                 # fronts' routers, which probe the replicas until one has room, and on a CPU
-                # the probes took half the engines' time (ARCHITECTURE.md, Scale-out).
+                # the probes took half the engines' time (docs/design/scale-out.md).
                 max_ongoing_requests=options["max_ongoing_requests"] or 2 * parallel,
                 router=options["routing"], cpus_per_replica=1.0 if gpus else float(threads),
                 gpus_per_replica=gpus,

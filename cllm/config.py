@@ -82,7 +82,7 @@ class EngineConfig:
     # which attends over its own cells only: on the CPU that is faster with long prompts and a
     # greedy output does not depend on its batch; on a GPU (H200) it is faster for some
     # workloads and slower for chats, and it caps each sequence at n_ctx / n_parallel. None:
-    # split on a CPU, one pool on a GPU (ARCHITECTURE.md has the measurements).
+    # split on a CPU, one pool on a GPU (docs/design/kv-layout.md has the measurements).
     kv_unified: bool | None = None
     prefix_cache: bool = True  # start sequences from the KV of cached prompt prefixes
     # Whether finished sequences' replies stay cached in one pool (split streams keep them):
@@ -93,12 +93,12 @@ class EngineConfig:
     cache_prompts: str = "auto"
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
     # travel to the host. None: on where a GPU runs the model, off on a CPU, where the logits
-    # are in host memory already (ARCHITECTURE.md).
+    # are in host memory already (docs/design/sampling.md).
     backend_sampling: bool | None = None
     n_batch: int = 512
     # Prompt tokens a step may spend ending prompts besides the first it ends; 0: 16 on a CPU,
-    # where every token of a step costs about the same, and n_batch on a GPU (ARCHITECTURE.md,
-    # "Prompts that end in a step").
+    # where every token of a step costs about the same, and n_batch on a GPU
+    # (docs/design/prompt-scheduling.md).
     prefill_stagger: int = 0
     n_ubatch: int = 512
     n_threads: int = 0  # 0: every core this process may use
@@ -187,7 +187,7 @@ def apply_cpu_wait(mode: str, n_threads: int) -> str:
     hundreds of barriers of a step cost 28% of the tokens/s of one stream on an idle machine.
     auto: when the threads take every usable core, spin briefly (GOMP_SPINCOUNT=3000, tens of
     microseconds: longer than most waits of an idle step, far shorter than a time slice) and
-    then sleep; spin when a core is spare. ARCHITECTURE.md has the measurements.
+    then sleep; spin when a core is spare. docs/design/cpu-waits.md has the measurements.
     OpenMP reads this once, when llama.cpp loads, so call it before that; a policy the user put
     in the environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT) wins. Returns the policy in effect."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:

@@ -156,7 +156,7 @@ class Engine:
                                      default_backend_sampling() if config.backend_sampling is None
                                      else config.backend_sampling))
         # On a GPU a decode run keeps the rows that stop in its batch, so llama.cpp reuses the
-        # step's graph (ARCHITECTURE.md, "Decode runs keep their shape"); on a CPU a held row
+        # step's graph (docs/design/decode-runs.md); on a CPU a held row
         # would cost as much as a live one.
         self.ctx.hold_run_shape = gpu and config.n_gpu_layers != 0
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
@@ -181,7 +181,7 @@ class Engine:
         self._graphs_reused = self.ctx.graphs_reused  # the core's count when the timer last read it
         # Decode steps per call into C when only decodes run: many on a GPU, where Python's
         # share of a step is large; one on a CPU, where runs of 8 lost 9-14% at 32 streams and
-        # were no sure gain at one (ARCHITECTURE.md, "Decode runs stay on the GPU").
+        # were no sure gain at one (docs/design/decode-runs.md).
         self.decode_steps = config.decode_steps or (8 if gpu else 1)
         self._successors = SuccessorWait(default_successor_wait()
                                          if config.successor_wait is None
@@ -565,7 +565,8 @@ class Engine:
         """Feed each constrained sequence's new token to its matcher; the sequence ends (stop)
         when its grammar is complete, so the output always matches unless it ran out of
         tokens."""
-        for i, _ in got:  # in turn: llguidance's consume_token_par was slower (ARCHITECTURE.md)
+        # in turn: llguidance's consume_token_par was slower (docs/design/grammar.md)
+        for i, _ in got:
             seq = out.chunks[i].seq
             matcher = self._live[seq].matcher
             if matcher is None or seq.is_finished:  # an end token or max_tokens ended it
@@ -684,21 +685,20 @@ class Engine:
 
 def default_kv_unified() -> bool:
     """The KV layout when none is asked for: one pool on a GPU, split streams on a CPU
-    (ARCHITECTURE.md has the measurements)."""
+    (docs/design/kv-layout.md has the measurements)."""
     return _core.supports_gpu_offload()
 
 
 def default_backend_sampling() -> bool:
     """Whether greedy rows are sampled inside the graph when none is asked: on a GPU, where
-    the logits would otherwise travel to the host. ARCHITECTURE.md has the measurements."""
+    the logits would otherwise travel to the host. docs/design/sampling.md has the measurements."""
     return _core.supports_gpu_offload()
 
 
 def default_successor_wait() -> float:
     """The longest wait for a finished request's successor, as a share of a step's time, when
     none is asked: half a step on a CPU; none on a GPU, where a step takes a few milliseconds,
-    less than a successor needs to come over HTTP (ARCHITECTURE.md, "Waiting for the next
-    request")."""
+    less than a successor needs to come over HTTP (docs/design/cpu-waits.md)."""
     return 0.0 if _core.supports_gpu_offload() else 0.5
 
 

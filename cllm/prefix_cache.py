@@ -13,7 +13,7 @@ own. Pure Python: no llama.cpp here; the scheduler turns decisions into `KvOp`s 
 
 In one pool every row of a step attends over every cell held, so whatever a finished sequence
 leaves cached costs every later step; two `Retention` rules decide whether its reply and its
-prompt stay cached (ARCHITECTURE.md, "What finished sequences leave cached")."""
+prompt stay cached (docs/design/prefix-cache.md)."""
 from __future__ import annotations
 
 import itertools
@@ -368,7 +368,7 @@ class PrefixCache:
         # that requests share (a document, a system prompt). Sequences that start from a
         # running one's prefix never count as reusing an idle prompt, and once all that held
         # it ended at once, the shared document was computed again: once every 8 requests at
-        # 8 streams (ARCHITECTURE.md, "What a dropped prompt keeps").
+        # 8 streams (docs/design/prefix-cache.md).
         shared = min(slot.started_from, slot.prompt_length)
         auto = self.prompts.mode == "auto"
         return shared if auto and shared >= self.IDLE_PROMPT_GAIN else 0

@@ -40,7 +40,7 @@ def local_ray_environment() -> dict[str, str]:
     (deployments calling each other over gRPC, user code on the replica's own event loop) with
     HAProxy as its ingress: a C proxy on each node that hands requests to the front replicas'
     own HTTP servers, in place of Ray's Python proxy actor, which was the ceiling on 4 GPUs
-    (ARCHITECTURE.md, "Scale-out"). The latter only where the haproxy binary is installed
+    (docs/design/scale-out.md). The latter only where the haproxy binary is installed
     (`ray[serve]` brings it on Linux): the throughput settings imply it."""
     # Ray starts its workers at nice 15, fit for background tasks; here they are the server,
     # and at 15 any other busy process on the machine takes the cores from the engines.

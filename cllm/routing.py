@@ -1,7 +1,7 @@
 """Which replica serves a request: consistent hashing of a routing key with bounded loads.
 
 Pure Python, no Ray: the Ray request router (scaleout.py) feeds it the replicas and their
-loads. ARCHITECTURE.md ("Scale-out") says why the key and the bound are what they are."""
+loads. docs/design/scale-out.md says why the key and the bound are what they are."""
 from __future__ import annotations
 
 import bisect
@@ -103,7 +103,7 @@ class HashRing:
         replica among equals): its queue empties no later than the others'. Below that, a
         replica keeps its keys while it holds at most a quarter of its slots more than the least
         loaded, whatever the mean: a key sent away prefills its whole prefix again there and
-        evicts another's (ARCHITECTURE.md, "Scale-out": TTFT p50 halved on 18 long documents;
+        evicts another's (docs/design/scale-out.md: TTFT p50 halved on 18 long documents;
         SGLang's cache-aware router likewise balances only past an absolute difference)."""
         if not self.replicas:
             raise ValueError("no replicas to choose from")

@@ -4,8 +4,8 @@ Ray's HTTP proxy hands each request to `Front`, which reads the body, computes i
 key (routing.route_key) and relays the request to an `Engine` replica through a deployment
 handle; `PrefixRouter`, running in the handle, picks the replica. Each `Engine` replica runs
 the single server's own Starlette app (server.create_app): the same routes, bodies, SSE streams
-and errors. `Board` collects the replicas' metrics for the front's /metrics. ARCHITECTURE.md
-("Scale-out") has the design and why; README.md ("Scale-out") the commands."""
+and errors. `Board` collects the replicas' metrics for the front's /metrics.
+docs/design/scale-out.md has the design and why; README.md ("Scale-out") the commands."""
 from __future__ import annotations
 
 import asyncio

@@ -59,11 +59,11 @@ class Scheduler:
     first one it ends (earlier chunks of a long prompt still take what the budget leaves). On a
     CPU every token of a step costs about the same, so requests that arrive together then get
     their first tokens a step apart instead of all after one long step, and stop finishing
-    together (ARCHITECTURE.md, "Prompts that end in a step").
+    together (docs/design/prompt-scheduling.md).
     `first_tokens_apart` (split KV streams on a CPU): a step that ends prompts leaves the decodes
     to the next step, which ends none: the two steps cost what one would, and the first tokens
-    come out before the decodes are computed instead of after (ARCHITECTURE.md, "First tokens
-    before the decodes")."""
+    come out before the decodes are computed instead of after
+    (docs/design/prompt-scheduling.md)."""
 
     # A sequence whose prompt shares at least this many more tokens with one still being
     # prefilled waits for them rather than computing them a second time; a shorter common
@@ -325,8 +325,8 @@ class Scheduler:
         """With `first_tokens_apart`, when this step gives sequences their first tokens, its
         decodes (its first `n_decodes` chunks) wait for the next step. Not after a step that held
         them, and not for a one-token prompt end: alone in a step, that could be a micro-batch of
-        one row of one stream, which ggml computes with another kernel (ARCHITECTURE.md, "Prompts
-        in aligned blocks"). Returns whether the decodes wait."""
+        one row of one stream, which ggml computes with another kernel
+        (docs/design/batch-invariance.md). Returns whether the decodes wait."""
         if not (self.first_tokens_apart and n_decodes) or self._decodes_held:
             return False
         firsts = [chunk.length for chunk in out.chunks[n_decodes:]

@@ -98,7 +98,7 @@ OPTIONS = {
     "max_ongoing_requests": (int, None, "requests a replica takes at once; more wait in Ray's "
                              "router [2 x --parallel]"),
     "front_replicas": (int, None, "processes that read, route and relay requests to the "
-                       "replicas (ARCHITECTURE.md, Scale-out) [one per replica, or per "
+                       "replicas (docs/design/scale-out.md) [one per replica, or per "
                        "--max-replicas]"),
     "routing": (str, "prefix", "prefix: a conversation's or a prompt prefix's requests go to "
                 "one replica, within a load bound; random: Ray's power of two choices"),
@@ -108,7 +108,7 @@ OPTIONS = {
 
 
 # --help's sections, in order: what most users set first, the rules the server sets itself
-# (defaults chosen by the device, docs in ARCHITECTURE.md) in "tuning".
+# (defaults chosen by the device, docs/design/ says why) in "tuning".
 GROUPS = {
     "model": ("model", "served_model_name", "n_gpu_layers"),
     "server and security": ("host", "port", "api_key", "api_key_file", "request_timeout",

@@ -2,7 +2,7 @@
 GGUF's own vocabulary, one matcher per sequence, and each step's token bitmasks filled with the
 GIL released. The core applies the bitmasks (Context.step's and Context.decode_run's `masks`).
 
-ARCHITECTURE.md has the measurements that chose llguidance over xgrammar."""
+docs/design/grammar.md has the measurements that chose llguidance over xgrammar."""
 from __future__ import annotations
 
 import json
@@ -79,7 +79,7 @@ def tokenizer_of(model) -> llguidance.LLTokenizer:
     tokenizes through llama.cpp directly: a Python tokenizer would take the GIL each time a
     matcher tokenizes (forced text, hundreds of times in a thousand tokens of a JSON schema),
     and on a busy server each wait for the GIL costs up to Python's 5 ms switch interval
-    (ARCHITECTURE.md, "Structured output"). The model must outlive it: Grammars and each
+    (docs/design/grammar.md). The model must outlive it: Grammars and each
     Grammar keep it."""
     eog = list(model.eog_tokens) or [model.eos_token]
     vocab, tokenize = model.native_tokenizer
@@ -189,8 +189,8 @@ class MaskFiller:
     call into llguidance (LLExecutor, on `threads` threads of its own) that lets go of the GIL
     once for all of them: a call a row let go of it a row at a time, and on a busy server each
     row then waited for the event loop to hand the GIL back (on the 2-core Xeon, beside a
-    thread running Python, 64 rows took 231 ms that way against 7 in one call; ARCHITECTURE.md,
-    "Structured output").
+    thread running Python, 64 rows took 231 ms that way against 7 in one call;
+    docs/design/grammar.md).
     `overlap`: the bitmasks are filled on a thread of their own while the step decodes, and the
     core waits for them before it samples: on a GPU the decode leaves the CPU idle."""
 

@@ -8,8 +8,8 @@ Waiting briefly for it instead (anticipatory scheduling, as disk schedulers wait
 next read) lets it start in the very next step. The wait is bounded by a share of a step's time
 and kept only while it pays: while most recent ends were followed by an arrival within that
 bound. Traffic that does not come back at once (people reading their replies, arrivals
-independent of the ends) turns it off after a few ends. ARCHITECTURE.md, "Waiting for the next
-request", has the measurements."""
+independent of the ends) turns it off after a few ends.
+docs/design/cpu-waits.md has the measurements."""
 from __future__ import annotations
 
 from collections import deque

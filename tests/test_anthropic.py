@@ -38,7 +38,8 @@ def test_system_turns_and_sampling():
                                      "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages"),
     ({"tools": [{"name": "f"}]}, "tools"), ({"stop_sequences": "x"}, "stop_sequences"),
-    ({"stop_sequences": ["s"] * 17}, "stop_sequences"), ({"stop_sequences": [""]}, "stop_sequences"),
+    ({"stop_sequences": ["s"] * 17}, "stop_sequences"),
+    ({"stop_sequences": [""]}, "stop_sequences"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
 ])
 def test_rejections_name_the_field(fields, param):

@@ -473,7 +473,7 @@ def test_greedy_text_is_the_same_cached_or_computed_and_whatever_runs_beside_it(
     """The default layout on a CPU: 8 requests over one 130-token preamble, at concurrency 8 with
     the prefix cache and again from a warm cache, give the texts each got alone with nothing
     cached. (Beyond 256 cells, a sequence decoded alone takes another of ggml's CPU attention
-    paths than one decoded beside others: see ARCHITECTURE.md.)"""
+    paths than one decoded beside others: see docs/design/batch-invariance.md.)"""
     preamble = ("You are the harbour master's assistant. Answer each question about the "
                 "harbour's records briefly and plainly. " * 7)
     prompts = [preamble + q for q in QUESTIONS]

@@ -973,8 +973,8 @@ def test_metrics_say_where_the_engine_threads_time_went(http):
 @pytest.fixture(scope="module")
 def fresh():
     """A server of its own for the prefix cache's tests. In one pool (a GPU's default), idle
-    prompts stay cached only while enough recent requests reused such prompts (ARCHITECTURE.md,
-    "What finished sequences leave cached"), and this module's other tests send many one-shot
+    prompts stay cached only while enough recent requests reused such prompts
+    (docs/design/prefix-cache.md), and this module's other tests send many one-shot
     prompts: after them, the same server would rightly drop a new prompt when it ends."""
     with ServerProcess() as srv:
         yield srv
@@ -1000,7 +1000,7 @@ def test_usage_reports_cached_prompt_tokens(fresh_client, fresh_http):
                             json={"prompt": prefix + "Entry one:", "max_tokens": 4})
     assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # The prefix, less what the layout recomputes: on a CPU, prompts are reused in whole blocks
-    # of 64 tokens (ARCHITECTURE.md).
+    # of 64 tokens (docs/design/batch-invariance.md).
     n_prefix = n_tokens(fresh_http, prefix) - 64
     whole = fresh_client.completions.create(model=MODEL, prompt=prefix + "Entry two:",
                                             max_tokens=4)

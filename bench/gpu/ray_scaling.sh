@@ -1,5 +1,5 @@
 #!/bin/bash
-# Scale-out on Ray Serve (issue 16), measured on the GPU machine: one cllm replica per GPU.
+# Scale-out on Ray Serve, measured on the GPU machine: one cllm replica per GPU.
 #
 # Run from the repository root on the device, after the CUDA build (bench/gpu/stage-and-build.sh:
 # cllm in the system site, the wheels in $W/site) and bench/gpu/join-model.sh (the model in
