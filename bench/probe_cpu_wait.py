@@ -9,7 +9,7 @@ import sys
 import time
 from array import array
 
-from cllm import _core
+from cllm.llama import _core
 
 
 def ints(values):

@@ -10,7 +10,7 @@ import random
 import time
 from array import array
 
-from cllm import _core
+from cllm.llama import _core
 from cllm.models import resolve_model
 
 

@@ -18,8 +18,8 @@ import threading
 import time
 from array import array
 
-from cllm import _core
 from cllm.bench.prompts import TICKET_SCHEMA
+from cllm.llama import _core
 from cllm.models import resolve_model
 from cllm.structured import Grammars, MaskFiller
 

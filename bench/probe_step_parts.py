@@ -11,7 +11,7 @@ import random
 import time
 from array import array
 
-from cllm import _core
+from cllm.llama import _core
 from cllm.models import resolve_model
 
 N_SEQS = 8

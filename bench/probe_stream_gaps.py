@@ -10,7 +10,7 @@ import argparse
 import time
 from array import array
 
-from cllm import _core
+from cllm.llama import _core
 from cllm.models import resolve_model
 
 STEPS = 12

@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--model", help="GGUF path (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--steps", type=int, default=48, help="tokens walked per row count")
     args = parser.parse_args()
-    from cllm import _core
+    from cllm.llama import _core
     from cllm.models import resolve_model
     model = _core.Model(args.model or str(resolve_model("smollm2-135m-instruct")))
     schemas = json.loads(SCHEMAS.read_text())

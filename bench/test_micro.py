@@ -10,9 +10,10 @@ import httpx
 import pytest
 from server_process import ServerProcess  # tests/, put on the path by bench/conftest.py
 
-from cllm import _core, responses
+from cllm import responses
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
+from cllm.llama import _core
 from cllm.models import resolve_model
 from cllm.pending import PendingTokens
 from cllm.prefix_cache import PrefixCache

@@ -13,7 +13,7 @@ import threading
 from array import array
 from collections import deque
 
-from cllm._core import DecodeAborted
+from cllm.llama._core import DecodeAborted
 
 CONTEXT_TOKENS = 2048  # tokens per input at most (the embedding context's size)
 SEQUENCES_PER_DECODE = 16

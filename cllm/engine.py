@@ -1,7 +1,7 @@
 """The engine: one thread runs schedule → decode-and-sample → postprocess, step after step, and
 hands each step's new text to the requests' asyncio streams in one call per event loop.
 
-It and the embedder (embedder.py) are the only modules that import cllm._core: the HTTP layer
+It and the embedder (embedder.py) are the only modules that import cllm.llama._core: the HTTP layer
 reaches llama.cpp through them. Scheduler state is touched by the engine thread alone; other
 threads talk to it through the inbox."""
 from __future__ import annotations
@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cllm import _core, structured
+from cllm import structured
 from cllm.config import EngineConfig, SamplingParams
+from cllm.llama import _core
 from cllm.scheduler import SAMPLED_NOTHING, QueueFullError, Scheduler, SchedulerOutput
 from cllm.sequence import (FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence)
 from cllm.batch import RunRows, StepRows

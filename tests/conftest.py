@@ -19,7 +19,7 @@ def gemma_path() -> str:
 
 @pytest.fixture(scope="session")
 def model(model_path):
-    from cllm import _core
+    from cllm.llama import _core
     return _core.Model(model_path)
 
 

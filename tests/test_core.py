@@ -1,4 +1,5 @@
-"""cllm._core with the real models: loading, tokens, the batch step, sampling, KV bookkeeping."""
+"""cllm.llama._core with the real models: loading, tokens, the batch step, sampling, KV
+bookkeeping."""
 import math
 import threading
 import time
@@ -6,7 +7,7 @@ from array import array
 
 import pytest
 
-from cllm import _core
+from cllm.llama import _core
 from cllm.textstream import TextStream
 
 PROMPTS = ["1+1=", "2+2=", "3+3=", "The capital of France is", "Once upon a time",

@@ -5,10 +5,10 @@ from array import array
 
 import pytest
 
-from cllm import _core
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import (Engine, EngineStoppedError, PromptTooLongError, default_backend_sampling,
                          default_successor_wait)
+from cllm.llama import _core
 from cllm.prefix_cache import common_packed_prefix, pack
 from cllm.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from cllm.successor_wait import HISTORY

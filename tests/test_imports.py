@@ -58,14 +58,14 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 
 def core_importers() -> set[str]:
-    """The modules that import the compiled core (cllm._core), anywhere in them."""
+    """The modules that import the compiled core (cllm.llama._core), anywhere in them."""
     found = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
                      if isinstance(node, ast.ImportFrom) else [])
-            if "cllm._core" in names:
+            if "cllm.llama._core" in names:
                 found.add(module_name(path))
     return found
 

@@ -1,4 +1,4 @@
-"""The host's row sampler (cllm/row_sampler.c through _core.RowSampler): for fixed logits, its
+"""The host's row sampler (cllm/llama/row_sampler.c through _core.RowSampler): for fixed logits, its
 draws follow the distribution the parameters define, computed here the plain way (sort,
 softmax, cumulative sums) in llama.cpp's order: penalties, top-k, top-p, min-p, temperature."""
 import math
@@ -7,7 +7,7 @@ from array import array
 import numpy as np
 import pytest
 
-from cllm._core import RowSampler
+from cllm.llama._core import RowSampler
 
 
 def reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):

@@ -16,9 +16,10 @@ import jsonschema
 import llguidance
 import pytest
 
-from cllm import _core, structured
+from cllm import structured
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import Engine
+from cllm.llama import _core
 from cllm.structured import GrammarError, Grammars, MaskFiller
 from http_checks import assert_error, metrics, sse_payloads
 from server_process import ServerProcess

@@ -1,4 +1,4 @@
-"""Time per decode step of cllm._core at 1, 8 and 64 rows, split into the decode alone (no row
+"""Time per decode step of cllm.llama._core at 1, 8 and 64 rows, split into the decode alone (no row
 asks for logits), decode + logits to the host + greedy argmax, and the same inside decode_run.
 Threads only change the argmax here (the model is on the GPU): 1 thread is a serial scan.
 
@@ -7,7 +7,7 @@ import sys
 import time
 from array import array
 
-from cllm import _core
+from cllm.llama import _core
 
 
 def ints(values):

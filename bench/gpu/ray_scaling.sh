@@ -281,7 +281,7 @@ install)
   echo "$RAY_SHA256  $W/ray/$RAY_WHEEL" | sha256sum -c || exit 1
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$W/site" "$W"/ray/*.whl || exit 1
-  (cd /tmp && $PY -c "import ray, ray.serve, cllm._core; print('ray', ray.__version__)")
+  (cd /tmp && $PY -c "import ray, ray.serve, cllm.llama._core; print('ray', ray.__version__)")
   ;;
 throughput)  # tokens/s at saturating concurrency: the plain server, then Ray with 1..GPUS
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null

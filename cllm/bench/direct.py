@@ -26,7 +26,7 @@ def load_llama_as_the_server(threads: int, cllm_args: tuple[str, ...] = ()) -> N
     the engine-direct series must wait as the server does, or the two series differ by more
     than the HTTP path. The benchmark's `main` calls it before anything else loads llama.cpp
     (its default KV layout asks it whether there is a GPU)."""
-    if "cllm._core" in sys.modules:
+    if "cllm.llama._core" in sys.modules:
         say("engine-direct: llama.cpp was loaded before its threads' wait policy could be set; "
             "this series may wait at barriers unlike the server")
         return
@@ -35,7 +35,7 @@ def load_llama_as_the_server(threads: int, cllm_args: tuple[str, ...] = ()) -> N
     options = parse_args(["--threads", str(threads), *cllm_args])
     try:
         with cpu_wait_while_loading(options["cpu_wait"], options["threads"]):
-            from cllm import _core  # noqa: F401
+            from cllm.llama import _core  # noqa: F401
     except ImportError as e:  # the compiled core is missing: a source checkout, not built
         raise SystemExit(f"--engine-direct needs cllm built (pip install .): {e}") from e
 

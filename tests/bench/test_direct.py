@@ -71,12 +71,12 @@ def test_the_benchmark_loads_llama_cpp_first_under_the_servers_wait_policy():
         seen = []
         class Watch(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
-                if name == "cllm._core":
+                if name == "cllm.llama._core":
                     seen.append(os.environ.get("OMP_WAIT_POLICY"))
         sys.meta_path.insert(0, Watch())
         from cllm.bench.__main__ import load_llama_as_the_server
         from cllm.bench.cli import parse_args, server_settings
-        print("cllm._core" in sys.modules)
+        print("cllm.llama._core" in sys.modules)
         load_llama_as_the_server(1, ("--cpu-wait", "sleep"))
         server_settings(parse_args(["--engine-direct"]))
         print(seen, os.environ.get("OMP_WAIT_POLICY"))

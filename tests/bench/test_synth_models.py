@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cllm import _core
+from cllm.llama import _core
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "synth_models.py"
 _spec = importlib.util.spec_from_file_location("synth_models", _PATH)

@@ -14,7 +14,7 @@ from libc.stdint cimport int32_t, uint32_t
 from libc.stdio cimport fputs, stderr
 from libc.stdlib cimport calloc, free, malloc
 
-from cllm._llama cimport *
+from cllm.llama._llama cimport *
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
