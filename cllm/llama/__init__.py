@@ -1,7 +1,8 @@
 """The llama.cpp binding: `_core`, the compiled extension (Model, Context with its batch step and
-decode runs, Embedder, RowSampler), built from `_core.pyx`, the llama.h declarations it calls
-(`_llama.pxd`) and the C samplers it links: `slot_sampler.c`, sampling inside llama.cpp's decode
-graph, and `row_sampler.c`, a row of logits sampled on the host."""
+decode runs, Embedder, RowSampler), built from `_core.pyx` and the include files beside it, the
+llama.h declarations it calls (`_llama.pxd`) and the C samplers it links: `slot_sampler.c`,
+sampling inside llama.cpp's decode graph, and `row_sampler.c`, a row of logits sampled on the
+host."""
 import os
 from importlib import machinery
 
