@@ -10,15 +10,15 @@ import httpx
 import pytest
 from server_process import ServerProcess  # tests/, put on the path by bench/conftest.py
 
-from cllm import responses
 from cllm.config import EngineConfig, SamplingParams
-from cllm.engine import Engine
+from cllm.engine.engine import Engine
+from cllm.engine.pending import PendingTokens
+from cllm.engine.prefix_cache import PrefixCache
+from cllm.engine.scheduler import Scheduler
+from cllm.engine.sequence import Sequence
+from cllm.http import responses
 from cllm.llama import _core
 from cllm.models import resolve_model
-from cllm.pending import PendingTokens
-from cllm.prefix_cache import PrefixCache
-from cllm.scheduler import Scheduler
-from cllm.sequence import Sequence
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ class EngineConfig:
     decode_steps: int = 0  # decode steps per call into C while only decodes run; 0: auto
     # After a step that ended requests, wait up to this share of a step's time for new ones (a
     # client's next request), while recent ends were followed by one that soon. None: 0.5 on a
-    # CPU, 0 on a GPU (cllm/successor_wait.py).
+    # CPU, 0 on a GPU (cllm/engine/successor_wait.py).
     successor_wait: float | None = None
     request_timeout: float = 600.0  # seconds from arrival to the last token
 
@@ -152,7 +152,8 @@ class ServerConfig:
     max_connections: int = 1000  # open connections (and requests) before uvicorn answers 503
     log_requests: bool = True
     # Tokens a streamed event carries at most (vLLM's --stream-interval): the first token goes
-    # at once, then every `stream_interval` tokens (cllm/pending.py; README has the measurements).
+    # at once, then every `stream_interval` tokens (cllm/engine/pending.py; the figures are in
+    # docs/design/streaming.md).
     stream_interval: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 

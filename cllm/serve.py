@@ -15,8 +15,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 
+from cllm.app.launch import check_model_file, serve
 from cllm.config import EngineConfig, ServerConfig
-from cllm.launch import check_model_file, serve
 from cllm.models import resolve_model
 
 
@@ -217,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if options["replicas"] or options["ray_address"] or options["max_replicas"]:
         if options["ray_address"] is None:  # a joined cluster has the environment it started with
-            from cllm.ray_environment import prepare_local_ray
+            from cllm.scaleout.environment import prepare_local_ray
             prepare_local_ray()  # before Ray is imported, which reads it
         try:
-            from cllm.cluster import serve_on_ray  # Ray is an extra: imported when asked for
+            from cllm.scaleout.cluster import (
+                serve_on_ray,  # Ray is an extra: imported when asked for
+            )
         except ModuleNotFoundError as exc:
             print(f"cllm: error: --replicas and --ray-address need Ray ({exc}): "
                   "pip install 'cllm[ray]'", file=sys.stderr)

@@ -8,10 +8,9 @@ import json
 import httpx
 import openai
 import pytest
-
 from http_checks import assert_error, post_stream, sse_payloads
+from model_facts import ENDS_AT_ONCE, ON_GPU_NOT_BATCH_INVARIANT
 from server_process import ServerProcess
-from test_core import ENDS_AT_ONCE, ON_GPU_NOT_BATCH_INVARIANT
 
 MODEL = "smollm2-135m-instruct"
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -6,20 +6,13 @@ import time
 from array import array
 
 import pytest
+from model_facts import ENDS_AT_ONCE, ON_GPU_NOT_BATCH_INVARIANT
 
+from cllm.engine.textstream import TextStream
 from cllm.llama import _core
-from cllm.textstream import TextStream
 
 PROMPTS = ["1+1=", "2+2=", "3+3=", "The capital of France is", "Once upon a time",
            "def fibonacci(n):", "Water boils at", "My favourite colour is"]
-
-
-# On the CPU a sequence's logits do not depend on its batch (each sequence attends over its own
-# KV cells); llama.cpp's CUDA kernels pick different matmul paths by batch size, so on a GPU
-# build a greedy continuation may differ in the last bits and then in a token.
-ON_GPU_NOT_BATCH_INVARIANT = pytest.mark.xfail(
-    _core.supports_gpu_offload(), strict=False,
-    reason="llama.cpp's CUDA kernels are not batch-invariant")
 
 
 def ints(values):
@@ -299,10 +292,6 @@ def test_logprobs(ctx, model):
     assert top[0][0] == sampled[0] and math.isclose(top[0][1], chosen, abs_tol=1e-5)
     assert [t[1] for t in top] == sorted((t[1] for t in top), reverse=True)
     assert 0.0 < sum(math.exp(t[1]) for t in top) <= 1.0 + 1e-5
-
-
-# SmolLM2's most likely first token after this prompt is an end-of-generation token.
-ENDS_AT_ONCE = "Explain why the sky is blue in simple terms."
 
 
 def test_ban_eog_greedy_continues_where_the_model_would_end(ctx, model):

@@ -12,10 +12,9 @@ import json
 
 import httpx
 import pytest
+from http_checks import assert_error, sse_payloads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from http_checks import assert_error, sse_payloads
 from server_process import ServerProcess
 
 STATUSES: collections.Counter = collections.Counter()  # (path, status): count, printed at the end

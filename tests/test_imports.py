@@ -73,15 +73,46 @@ def core_importers() -> set[str]:
 def test_only_the_engine_and_the_embedder_import_the_core():
     """The HTTP layer reaches llama.cpp through them (the benchmark's engine-direct series
     loads the core itself, to set its threads' wait policy first)."""
-    assert core_importers() == {"cllm.engine", "cllm.embedder", "cllm.bench.direct"}
+    assert core_importers() == {"cllm.engine.engine", "cllm.engine.embedder", "cllm.bench.direct"}
 
 
 def test_the_package_imports_form_no_cycle():
     edges = graph()
-    assert "cllm.server" in edges and "cllm.http_common" in edges["cllm.server"]
+    assert "cllm.app.server" in edges and "cllm.http.common" in edges["cllm.app.server"]
     assert cycle(edges) is None, " -> ".join(cycle(edges))
 
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+# Each wing may import its own modules and those of the wings listed before it, never one after
+# it: the shared modules, the native core's package, the engine, the HTTP plumbing, the API
+# protocols, the app, scale-out, the command line. The benchmark stands beside them all.
+LAYERS = (("cllm", "cllm.config", "cllm.errors", "cllm.models"), ("cllm.llama",),
+          ("cllm.engine",), ("cllm.http",), ("cllm.protocols",), ("cllm.app",),
+          ("cllm.scaleout",), ("cllm.serve",))
+
+
+def layer(module: str) -> int | None:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or (p != "cllm" and module.startswith(p + ".")) for p in prefixes):
+            return rank
+    return None
+
+
+def test_every_module_belongs_to_a_wing():
+    assert {m for m in graph() if layer(m) is None and not m.startswith("cllm.bench")} == set()
+
+
+def test_no_wing_imports_a_wing_above_it():
+    upward = {(a, b) for a, targets in graph().items() for b in targets
+              if layer(a) is not None and layer(b) is not None and layer(b) > layer(a)}
+    assert upward == set()
+
+
+def test_the_protocols_are_imported_only_by_the_apps():
+    importers = {a for a, targets in graph().items()
+                 if any(layer(b) == 4 for b in targets) and layer(a) != 4}
+    assert importers <= {"cllm.app.server", "cllm.scaleout.ray_app"}

@@ -13,8 +13,8 @@ def test_python_m_from_a_checkout_runs_its_modules_with_the_installed_extension(
     whose `cllm/llama/` comes first on the path and has no `_core` built in it (a plain install
     puts it beside the installed copy): the checkout's modules must still find it."""
     found = subprocess.run(
-        [sys.executable, "-c", "import cllm.engine, cllm.llama._core; "
-         "print(cllm.engine.__file__); print(cllm.llama.__file__)"],
+        [sys.executable, "-c", "import cllm.engine.engine, cllm.llama._core; "
+         "print(cllm.engine.engine.__file__); print(cllm.llama.__file__)"],
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert found.returncode == 0, found.stderr
     assert len(found.stdout.split()) == 2

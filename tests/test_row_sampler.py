@@ -6,7 +6,6 @@ from array import array
 
 import numpy as np
 import pytest
-
 from cllm.llama._core import RowSampler
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 from packaging.requirements import Requirement  # pytest's own dependency
+from server_process import ServerProcess
 
 from cllm import serve
 from cllm.config import EngineConfig, apply_cpu_wait, cpu_wait_while_loading, usable_cores
-from server_process import ServerProcess
 
 
 def test_option_precedence_flag_env_file_default(tmp_path, monkeypatch):

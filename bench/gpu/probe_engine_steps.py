@@ -7,7 +7,7 @@ import sys
 import time
 
 from cllm.config import EngineConfig, SamplingParams
-from cllm.engine import Engine
+from cllm.engine.engine import Engine
 
 
 async def load(eng, n, conc, max_tokens=50):

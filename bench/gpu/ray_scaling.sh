@@ -79,7 +79,7 @@ launch() {
   PID=$!; URL=http://127.0.0.1:$port; SERVER_PIDS+=("$PID")
   local t0; t0=$(date +%s)
   # Under Ray, /health answers once a front and one replica are up; the load waits for every
-  # replica (cllm.cluster's "serving on"), or its first seconds run on part of them.
+  # replica (cllm.scaleout.cluster's "serving on"), or its first seconds run on part of them.
   until $PY -c "import urllib.request as u; u.urlopen('$URL/health', timeout=2)" 2>/dev/null \
         && { [[ " $* " != *" --replicas "* ]] || grep -q "serving on" "$OUT/$name.log"; }; do
     if ! kill -0 "$PID" 2>/dev/null || [ $(( $(date +%s) - t0 )) -gt 240 ]; then
@@ -149,7 +149,7 @@ load() {
   CLIENTS_PIDS=(); start_clients "$tag" "$c" "$k" "$@"
   wait "${CLIENTS_PIDS[@]}"  # not the servers, which are background jobs too
   # Behind a Ray front the replicas report every REPORT_PERIOD: wait for one after the load.
-  sleep "$($PY -c 'from cllm.scaleout import REPORT_PERIOD; print(REPORT_PERIOD + 1)')"
+  sleep "$($PY -c 'from cllm.scaleout.ray_app import REPORT_PERIOD; print(REPORT_PERIOD + 1)')"
   scrape "$tag-after"
   aggregate "$tag"
   replica_steps "$tag"
@@ -169,8 +169,8 @@ replica_steps() {
   $PY - "$OUT/metrics-$1-before.txt" "$OUT/metrics-$1-after.txt" <<'EOF2'
 import sys
 from prometheus_client.parser import text_string_to_metric_families
-from cllm import steptimer
-from cllm.metrics import step_timer_counts
+from cllm.engine import steptimer
+from cllm.http.metrics import step_timer_counts
 def by_replica(path):
     text = open(path).read()
     samples = [s for family in text_string_to_metric_families(text) for s in family.samples

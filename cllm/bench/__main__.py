@@ -15,14 +15,13 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from cllm import steptimer
+from cllm.engine import steptimer
 from cllm.models import DEFAULT_ALIAS, resolve_model
 
 from . import prompts, report
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget, load_llama_as_the_server
-from .loadgen import (Connections, HttpTarget, Level, ReplyLengths, Sender, first_model,
-                      run_level)
+from .loadgen import Connections, HttpTarget, Level, ReplyLengths, Sender, first_model, run_level
 from .peer import build, start_peer
 from .servers import StartedServer, say, start_cllm
 from .stats import request_records, summarize
@@ -197,9 +196,9 @@ async def _engine_step_counts(connections: Connections, url: str) -> dict | None
             status, text = resp.status, await resp.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    # Imported here: cllm.metrics imports the engine, which loads llama.cpp, and main() loads
+    # Imported here: cllm.http.metrics imports the engine, which loads llama.cpp, and main() loads
     # it first for the engine-direct target (load_llama_as_the_server says why).
-    from cllm.metrics import step_timer_counts
+    from cllm.http.metrics import step_timer_counts
     return step_timer_counts(text) if status == 200 else None
 
 

@@ -211,7 +211,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 def _kv_unified(asked: bool | None) -> bool:
     if asked is not None:
         return asked
-    from cllm.engine import default_kv_unified  # loads llama.cpp: only when needed
+    from cllm.engine.engine import default_kv_unified  # loads llama.cpp: only when needed
     return default_kv_unified()
 
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from cllm.sequence import FINISH_LENGTH, FINISH_STOP
+from cllm.engine.sequence import FINISH_LENGTH, FINISH_STOP
 
 from .loadgen import LoadSettings, RequestResult, Sized, check_tokens
 from .servers import ServerSettings, cllm_flags, say
@@ -49,7 +49,7 @@ class EngineTarget:
         # The started server's options, --cllm-args included (decode steps, stream interval):
         server = build_config(parse_args(cllm_flags(model_path, s)))
         config = server.engine
-        from cllm.engine import Engine  # loaded by now as the server would load it (main)
+        from cllm.engine.engine import Engine  # loaded by now as the server would load it (main)
         self.engine = Engine(config, model_path)
         self.sampling = SamplingParams(max_tokens=load.max_tokens, ignore_eos=load.ignore_eos,
                                        **load.sampling)

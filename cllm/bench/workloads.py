@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from . import prompts as prompt_sets
-from .loadgen import (Level, Prompt, RequestResult, Sender, Sized, run_jobs, run_level,
-                      run_open_loop)
+from .loadgen import Level, Prompt, RequestResult, Sender, Sized, run_jobs, run_level, run_open_loop
 from .stats import by_turn
 
 WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed", "sharegpt", "structured")

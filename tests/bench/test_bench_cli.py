@@ -185,7 +185,7 @@ def test_each_started_peer_records_its_own_kv_layout(monkeypatch, tmp_path):
 
 
 def test_a_levels_line_says_where_the_engine_threads_time_went(capsys):
-    from cllm.steptimer import StepTimer, summarize
+    from cllm.engine.steptimer import StepTimer, summarize
     timer = StepTimer()
     timer.start()
     timer.add_run({"steps": 8, "decode_ms": 4.0, "after_step_ms": 0.0, "wait_ms": 0.25,

@@ -3,8 +3,14 @@ import json
 
 import pytest
 
-from cllm.bench.loadgen import (EMPTY_RESPONSE, HttpTarget, LoadSettings, RequestResult,
-                                StreamParser, cached_tokens)
+from cllm.bench.loadgen import (
+    EMPTY_RESPONSE,
+    HttpTarget,
+    LoadSettings,
+    RequestResult,
+    StreamParser,
+    cached_tokens,
+)
 
 
 def _chunk(text: str, finish: str | None = None) -> str:

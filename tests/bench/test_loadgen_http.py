@@ -10,8 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cllm.bench.loadgen import (EMPTY_RESPONSE, Connections, HttpTarget, LoadSettings, first_model,
-                                run_level)
+from cllm.bench.loadgen import (
+    EMPTY_RESPONSE,
+    Connections,
+    HttpTarget,
+    LoadSettings,
+    first_model,
+    run_level,
+)
 from cllm.bench.stats import summarize
 
 

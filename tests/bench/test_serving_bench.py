@@ -9,8 +9,15 @@ import pytest
 
 from cllm.bench import prompts, report
 from cllm.bench.cli import parse_args
-from cllm.bench.loadgen import (HttpTarget, Level, LoadSettings, ReplyLengths, RequestResult,
-                                Sized, run_open_loop)
+from cllm.bench.loadgen import (
+    HttpTarget,
+    Level,
+    LoadSettings,
+    ReplyLengths,
+    RequestResult,
+    Sized,
+    run_open_loop,
+)
 from cllm.bench.stats import meets, summarize
 from cllm.bench.workloads import plans
 

@@ -21,7 +21,6 @@ import random
 import time
 
 import httpx
-
 from http_checks import metrics
 from server_process import ServerProcess
 

@@ -1,0 +1,141 @@
+"""The server's launch: the app for a configuration (its model resolved and checked, the engine
+loaded once the server is up) and uvicorn running it, with cllm's shutdown and header deadline.
+The command line (serve.py) and Ray's replicas (scaleout/ray_app.py) start servers through it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from cllm.config import ServerConfig, apply_cpu_wait
+from cllm.models import resolve_model
+
+
+def check_model_file(path: Path) -> None:
+    """The plain mistakes (no such file, not a GGUF file) as one line, before the server starts;
+    the loader still reports a file that only looks like GGUF."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ValueError(f"cannot read the model file {path}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r})")
+
+
+def served_name(config: ServerConfig, model_path: Path) -> str:
+    """--served-model-name, else the alias given to --model, else the model file's name."""
+    if config.served_model_name:
+        return config.served_model_name
+    return config.engine.model if not Path(config.engine.model).suffix else model_path.name
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with two changes to how a signal stops it:
+    - when the grace period ends, requests still running get a stated 503 (their sequences end
+      with reason 'shutdown') instead of being cut off by uvicorn's task cancellation, which
+      would reach clients as a bare 500 or a truncated stream;
+    - the process then exits 0: uvicorn re-raises the signal once it has shut down, which with
+      the default handler would kill the process (status -15) after a clean shutdown."""
+
+    def __init__(self, config: uvicorn.Config, grace: float) -> None:
+        super().__init__(config)
+        self.grace = grace
+
+    def run(self, sockets=None) -> None:
+        # Handlers uvicorn saves and calls again after its shutdown (and that a signal arriving
+        # before uvicorn installs its own honours).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._exit_requested)
+        super().run(sockets)
+
+    def _exit_requested(self, sig, frame) -> None:
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task] = []
+        deadline = loop.call_later(self.grace, lambda: stopping.append(
+            loop.create_task(self.config.app.state.cllm.stop())))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+            if stopping:
+                await stopping[0]
+
+
+MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's default, made explicit)
+KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle connection stays open between requests
+
+
+def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's headers. uvicorn times out only
+    idle keep-alive connections, and any byte received stops that clock: a client that stalls
+    mid-headers (slowloris) would hold its connection, and a file descriptor, forever."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # for the next request's headers on this connection
+            super().on_response_complete()  # may start a pipelined request: handle_events
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:  # a request runs
+                self._deadline.cancel()
+
+        def connection_lost(self, exc) -> None:
+            self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(timeout, self.transport.close)
+
+    return HeaderDeadlineProtocol
+
+
+def app_for(config: ServerConfig, model_path: Path | None = None, on_load_failure=None):
+    """The server's app for `config` (app.server.create_app), its model loading once it
+    starts; the model is resolved here unless given. Ray's replicas (scaleout/ray_app.py) build
+    theirs so."""
+    if model_path is None:
+        model_path = resolve_model(config.engine.model)
+        check_model_file(model_path)
+    # Loads llama.cpp: only once the arguments are known good and the CPU wait policy is set.
+    from cllm.app.server import create_app
+    from cllm.engine.engine import Engine
+    return create_app(config, lambda: Engine(config.engine, str(model_path)),
+                      model_name=served_name(config, model_path), on_load_failure=on_load_failure)
+
+
+def serve(config: ServerConfig, model_path: Path) -> int:
+    mode = apply_cpu_wait(config.engine.cpu_wait, config.engine.n_threads)
+    logging.getLogger("cllm.serve").info("CPU threads wait by: %s", mode)
+    load_failures: list[BaseException] = []
+
+    def on_load_failure(exc: BaseException) -> None:
+        load_failures.append(exc)
+        server.should_exit = True
+
+    app = app_for(config, model_path, on_load_failure)
+    # uvicorn's own deadline is a backstop: at shutdown_grace the requests get their 503s.
+    server = _Server(uvicorn.Config(
+        app, host=config.host, port=config.port, access_log=False, log_config=None,
+        http=header_deadline_protocol(config.client_timeout),
+        limit_concurrency=config.max_connections, timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_graceful_shutdown=config.shutdown_grace + 10), grace=config.shutdown_grace)
+    server.run()
+    return 1 if load_failures else 0

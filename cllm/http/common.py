@@ -1,0 +1,294 @@
+"""The HTTP layer's shared plumbing, for the app (cllm/app/server.py) and every protocol's
+routes: the app's state, reading bodies, errors and their shapes, SSE, and one generation's
+response."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cllm.config import SamplingParams, ServerConfig
+from cllm.engine.embedder import Embeddings
+from cllm.engine.engine import Delta, Engine, EngineStoppedError, PromptTooLongError
+from cllm.engine.sequence import FINISH_ABORT
+from cllm.engine.structured import GrammarError
+from cllm.errors import APIError
+from cllm.http import schemas
+from cllm.http.chat_template import ChatTemplate, TemplateRenderer
+from cllm.http.formats import Format, GenerateFormat
+from cllm.http.generation import Generation, SequenceFailure, failure
+from cllm.http.metrics import Metrics
+from cllm.http.model_card import repo_id
+from cllm.http.responses import Token, anthropic_error, token_name
+from cllm.http.schemas import Constraint
+
+log = logging.getLogger(__name__)
+
+
+def shutting_down() -> APIError:
+    """What a request gets once the server is stopping."""
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
+class AppState:
+    """The engine (once loaded), the chat template's renderer and the metrics of one app."""
+
+    def __init__(self, config: ServerConfig, model_name: str) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.model_root = model_name  # the repository id once the model is loaded, if known
+        self.metrics = Metrics()
+        self.engine: Engine | None = None
+        self.renderer: TemplateRenderer | None = None
+        self.embeddings: Embeddings | None = None
+        self.load_error: str | None = None
+        self.stopping = False
+
+    def load(self, engine_factory: Callable[[], Engine]) -> None:
+        engine = engine_factory()
+        model = engine.model
+        # A vocabulary without BOS or EOS reports -1 for it: no text.
+        piece = lambda t: (model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
+                           if t >= 0 else "")
+        try:
+            template = ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
+                                    eos_token=piece(model.eos_token))
+        except ValueError as exc:
+            log.warning("the model's chat template does not compile (%s); using ChatML", exc)
+            template = ChatTemplate(None, bos_token=piece(model.bos_token),
+                                    eos_token=piece(model.eos_token))
+        self.renderer = TemplateRenderer(template, timeout=self.config.template_timeout)
+        self.embeddings = Embeddings(engine)
+        self.metrics.watch(engine, self.embeddings)
+        self.model_root = repo_id(model.metadata, self.config.engine.model) or self.model_name
+        self.engine = engine
+
+    async def stop(self) -> None:
+        """Refuse new requests and end the running ones, each with a stated 503 (reason
+        'shutdown'); idempotent."""
+        self.stopping = True
+        if self.renderer is not None:
+            self.renderer.close()
+        if self.embeddings is not None:
+            self.embeddings.close()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    def require_engine(self) -> Engine:
+        if self.stopping:
+            raise shutting_down()
+        if self.engine is None:
+            message = self.load_error or "the model is loading"
+            raise APIError(503, message, type="server_error", code="model_not_ready")
+        if self.engine.failure:
+            raise APIError(503, self.engine.failure, type="server_error", code="engine_failed")
+        return self.engine
+
+    def token(self, token: int) -> Token:
+        """A token as logprobs show it: the bytes it adds to the text, named by them; a control
+        token, which adds none, by its own name ("<|im_end|>"), so names stay distinct."""
+        model = self.engine.model
+        raw = model.token_to_piece(token)
+        if raw:
+            return Token(token_name(raw), raw)
+        return Token(model.token_to_piece(token, True).decode("utf-8", "replace"), None)
+
+    def sequence_ended(self, delta: Delta) -> None:
+        """Every sequence's final delta, whether or not its client is still reading. An abort is
+        the client's doing (it left), not a failure of the server."""
+        error = failure(delta) if delta.finish_reason != FINISH_ABORT else None
+        self.metrics.record_sequence(delta)
+        self.metrics.record_outcome(delta.finish_reason, error.status if error else None)
+        if self.config.log_requests:
+            t = delta.timings or {}
+            rate = delta.completion_tokens / t["total"] if t.get("total") else 0.0
+            log.info("request prompt=%d generated=%d ttft=%.3fs %.1f tok/s outcome=%s%s",
+                     delta.prompt_tokens, delta.completion_tokens, t.get("ttft", float("nan")),
+                     rate, delta.finish_reason, f" ({delta.error})" if delta.error else "")
+
+
+# ---- plumbing shared by the routes ----
+
+async def read_json(request: Request, config: ServerConfig) -> dict:
+    """The body as a JSON object (read_body's limits)."""
+    return schemas.parse_json_body(await read_body(request, config), config.max_body_bytes)
+
+
+async def read_body(request: Request, config: ServerConfig) -> bytes:
+    """The body, read within config.client_timeout: a client that stalls mid-body gets a 408
+    and its connection closed rather than holding it; one over max_body_bytes gets a 413."""
+    try:
+        return await asyncio.wait_for(_read_body(request, config.max_body_bytes),
+                                      config.client_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {config.client_timeout:g} s",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
+    return bytes(raw)
+
+
+async def tokenize_text(engine: Engine, text: str, *, add_special: bool) -> list[int]:
+    """Special-token text parsed as such. Megabytes take a second: the tokenizer runs in a
+    thread, with the GIL released, while the event loop serves the other requests."""
+    return await asyncio.to_thread(engine.model.tokenize, text, add_special=add_special,
+                                   parse_special=True)
+
+
+async def chat_prompt(state: AppState, engine: Engine, messages: list[dict],
+                      tools: list[dict] | None = None) -> list[int]:
+    """A conversation's prompt tokens, rendered by the model's chat template (with the tools
+    offered to the model, if any)."""
+    text = await state.renderer.render(messages, tools)
+    # Templates that write the BOS token themselves must not get a second one. The check is on
+    # the BOS token's text ("<bos>"): its piece without special=True is empty.
+    bos = state.renderer.template.bos_token if engine.model.adds_bos else None
+    return await tokenize_text(engine, text, add_special=not (bos and text.startswith(bos)))
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await `awaitable`, cancelling it (and so aborting its sequences) if the client leaves."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this task is cancelled: the work must not run on unobserved
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """Closes its body generator at once when the response ends, the client gone or not, so the
+    sequences behind it are aborted now rather than when the generator is collected."""
+
+    def __init__(self, body) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def error_response(error: APIError, fmt_error_body=APIError.body) -> JSONResponse:
+    return JSONResponse(fmt_error_body(error), status_code=error.status, headers=error.headers)
+
+
+async def respond(request: Request, fmt: Format, prompt: list[int], sampling: SamplingParams,
+                  n: int, stream: bool, include_usage: bool, cache_prompt: bool) -> Response:
+    """Submit n sequences for one request and answer it, streamed or whole."""
+    state: AppState = request.app.state.cllm
+    engine = state.require_engine()
+    if not prompt:  # text such as "\x1d" can tokenize to nothing
+        raise APIError(400, "the prompt has no tokens", param="prompt")
+    if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
+        raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
+    streams = []
+    # A whole response reads only the sum of the deltas: they may come as the engine makes them.
+    interval = state.config.stream_interval if stream else None
+    try:
+        for i in range(n):
+            streams.append(engine.submit(prompt, sampling.for_choice(i), f"{fmt.request_id}-{i}",
+                                         on_end=state.sequence_ended, cache_prompt=cache_prompt,
+                                         stream_interval=interval))
+    except BaseException as exc:  # nothing submitted may decode on with nobody reading it
+        for s in streams:
+            s.abort()
+        if isinstance(exc, PromptTooLongError):
+            raise APIError(400, str(exc), code="context_length_exceeded",
+                           param="prompt") from exc
+        if isinstance(exc, EngineStoppedError):
+            raise APIError(503, str(exc), type="server_error", code="engine_stopped") from exc
+        raise
+    generation = Generation(streams, fmt)
+    if stream:
+        await until_disconnect(request, generation.first_event())
+        return SSEResponse(generation.sse(include_usage))
+    return JSONResponse(await until_disconnect(request, generation.collect()))
+
+
+def new_format(cls, request: Request, prefix: str, sampling: SamplingParams,
+               **options) -> Format:
+    """A response format for one request; `options` go to the format's constructor."""
+    state: AppState = request.app.state.cllm
+    return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
+               state.token, sampling.logprobs is not None, **options)
+
+
+async def constrained(engine: Engine, sampling: SamplingParams,
+                      constraint: Constraint | None) -> SamplingParams:
+    """`sampling` with its constraint compiled (cached by its text; in a worker thread, since
+    a large schema takes a while). One that does not compile is a 400 naming its field, before
+    anything is queued."""
+    if constraint is None:
+        return sampling
+    compile_ = {"json_schema": engine.grammars.json_schema, "gbnf": engine.grammars.gbnf,
+                "lark": engine.grammars.lark}[constraint.kind]
+    try:
+        grammar = await asyncio.to_thread(compile_, constraint.value)
+    except GrammarError as exc:
+        raise APIError(400, f"{constraint.param}: {exc}", param=constraint.param,
+                       code="invalid_grammar") from None
+    return dataclasses.replace(sampling, grammar=grammar)
+
+
+def guarded(handler, error_body=APIError.body):
+    """Route wrapper: APIError → its status and body; anything else → a logged 500."""
+    async def route(request: Request) -> Response:
+        state: AppState = request.app.state.cllm
+        try:
+            return await handler(request, state)
+        except APIError as error:
+            if not isinstance(error, SequenceFailure):  # those were counted as they ended
+                state.metrics.record_outcome(None, error.status)
+            return error_response(error, error_body)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception:  # a real fault: say so, keep serving
+            # Its details (paths, values) are for the log, not for the client.
+            log.exception("internal error in %s", request.url.path)
+            state.metrics.record_outcome(None, 500)
+            return error_response(APIError(500, "internal server error (see the server log)",
+                                           type="server_error", code="internal_error"),
+                                  error_body)
+    return route
+
+
+def error_shape(path: str):
+    """The error body of a route: /generate keeps the original API's, /v1/messages has
+    Anthropic's."""
+    return {"/generate": GenerateFormat.error_body_of,
+            "/v1/messages": anthropic_error}.get(path, APIError.body)

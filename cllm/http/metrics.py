@@ -1,0 +1,172 @@
+"""Prometheus metrics: one registry per app, gauges read from the engine when scraped."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from cllm.engine.embedder import Embeddings
+from cllm.engine.engine import Delta, Engine
+from cllm.engine.steptimer import RUN_PARTS, StepTimer
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("cllm_requests_running", "Sequences holding a seq id", registry=r)
+        self.waiting = Gauge("cllm_requests_waiting", "Sequences queued for a seq id", registry=r)
+        self.kv_usage = Gauge("cllm_kv_cache_usage_ratio",
+                              "Share of KV cells running requests hold", registry=r)
+        self.preemptions = Gauge("cllm_preemptions_total",
+                                 "Sequences preempted for lack of KV cells", registry=r)
+        self.embedding_requests = Gauge("cllm_embedding_requests_running",
+                                        "Embedding requests computing or waiting for their turn",
+                                        registry=r)
+        self.cached_cells = Gauge("cllm_prefix_cache_cells",
+                                  "KV cells holding cached prefixes no running request uses",
+                                  registry=r)
+        self.prompt_tokens = Counter("cllm_prompt_tokens", "Prompt tokens processed", registry=r)
+        # vLLM's pair: their ratio is the prefix cache's hit rate.
+        self.cache_queries = Counter("cllm_prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache", registry=r)
+        self.cache_hits = Counter("cllm_prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache", registry=r)
+        self.generation_tokens = Counter("cllm_generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter("cllm_request_success", "Finished requests", ["finish_reason"],
+                               registry=r)
+        self.failure = Counter("cllm_request_failure", "Failed requests by HTTP status",
+                               ["code"], registry=r)
+        self.ttft = Histogram("cllm_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("cllm_inter_token_latency_seconds", "Mean gap between tokens",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def watch(self, engine: Engine, embeddings: Embeddings) -> None:
+        """Read the engine's live state on every scrape."""
+        self.embedding_requests.set_function(lambda: embeddings.running)
+        self.running.set_function(lambda: engine.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.kv_usage.set_function(lambda: engine.kv_usage)
+        self.cached_cells.set_function(lambda: engine.cached_cells)
+        self.preemptions.set_function(lambda: engine.scheduler.num_preemptions)
+        self.registry.register(_EngineSteps(engine.timer))
+
+    def record_sequence(self, final: Delta) -> None:
+        """Account for one sequence from its last delta."""
+        self.prompt_tokens.inc(final.prompt_tokens)
+        self.cache_queries.inc(final.prompt_tokens)
+        self.cache_hits.inc(final.cached_tokens)
+        self.generation_tokens.inc(final.completion_tokens)
+        timings = final.timings or {}
+        if "ttft" in timings:
+            self.ttft.observe(timings["ttft"])
+        if "tpot" in timings:
+            self.itl.observe(timings["tpot"])
+        if "total" in timings:
+            self.e2e.observe(timings["total"])
+
+    def record_outcome(self, finish_reason: str | None, status: int | None) -> None:
+        if status is None:
+            self.success.labels(finish_reason=finish_reason).inc()
+        else:
+            self.failure.labels(code=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# The engine's step timer as counters, so a client can read where the engine thread's time went
+# over any interval, as the benchmark does engine-direct (`steptimer.summarize` of the difference
+# of two scrapes: `step_timer_counts`).
+ENGINE_PHASE_COUNTER = "cllm_engine_step_phase_seconds"
+ENGINE_RUN_COUNTER = "cllm_engine_run_seconds"
+_RUN_HELP = f"Decode runs' calls by part: the core's {', '.join(RUN_PARTS)}, and outside them"
+ENGINE_STEP_COUNTERS = {  # the snapshot's key: (counter name, help)
+    "steps": ("cllm_engine_steps", "Calls into the core (a decode run is one)"),
+    "rows": ("cllm_engine_step_rows", "Rows those calls carried"),
+    "forward_steps": ("cllm_engine_forward_steps", "Forward steps computed (a run's several)"),
+    "graphs_reused": ("cllm_engine_graphs_reused",
+                      "Forward steps llama.cpp ran on the graph of the step before, not a new one"),
+    "run_steps": ("cllm_engine_run_steps", "Forward steps of decode runs"),
+    "held_rows": ("cllm_engine_run_held_rows",
+                  "Rows those steps carried after they stopped, keeping the run's shape"),
+}
+# A snapshot's seconds by label: its key, the counter, the label.
+_LABELLED = {"totals": (ENGINE_PHASE_COUNTER, "phase"), "run": (ENGINE_RUN_COUNTER, "part")}
+
+
+class _EngineSteps:
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+
+    def collect(self):
+        counts = self.timer.snapshot()
+        phases = CounterMetricFamily(ENGINE_PHASE_COUNTER, "Engine thread time by step phase",
+                                     labels=["phase"])
+        for phase, seconds in counts["totals"].items():
+            phases.add_metric([phase], seconds)
+        yield phases
+        parts = CounterMetricFamily(ENGINE_RUN_COUNTER, _RUN_HELP, labels=["part"])
+        for part, seconds in counts["run"].items():
+            parts.add_metric([part], seconds)
+        yield parts
+        for key, (name, help_) in ENGINE_STEP_COUNTERS.items():
+            yield CounterMetricFamily(name, help_, value=counts[key])
+
+
+def step_timer_counts(exposition: str, replica: str | None = None) -> dict | None:
+    """A step timer snapshot from a /metrics text, summed over replicas where a scale-out
+    front merged several, or only `replica`'s (its `replica` label); None if it has none:
+    another server, or no such replica."""
+    counts: dict = {key: {} for key in _LABELLED}
+    labelled = {name + "_total": (key, label) for key, (name, label) in _LABELLED.items()}
+    names = {name + "_total": key for key, (name, _) in ENGINE_STEP_COUNTERS.items()}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if replica is not None and sample.labels.get("replica") != replica:
+                continue
+            if sample.name in labelled:
+                key, label = labelled[sample.name]
+                name = sample.labels[label]
+                counts[key][name] = counts[key].get(name, 0.0) + sample.value
+            elif sample.name in names:
+                key = names[sample.name]
+                counts[key] = counts.get(key, 0) + int(sample.value)
+    return counts if len(counts) == len(_LABELLED) + len(ENGINE_STEP_COUNTERS) else None
+
+
+def merge(expositions: Mapping[str, bytes]) -> bytes:
+    """Several servers' expositions as one, each sample labelled with its server's name
+    (`replica="..."`): a family's samples stay together, as the text format requires, and
+    a query sums over replicas with `sum without (replica) (...)`."""
+    families: dict[str, Metric] = {}
+    for replica, text in expositions.items():
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation,
+                                                             family.type, family.unit))
+            merged.samples += [s._replace(labels={"replica": replica, **s.labels})
+                               for s in family.samples]
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A collector of families already built."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families

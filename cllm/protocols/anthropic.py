@@ -1,0 +1,134 @@
+"""POST /v1/messages: Anthropic's Messages API for text, whole or streamed as its events, with
+its error shape. Clients written for Claude (the `anthropic` SDK, tools built on it) run
+unchanged against the local model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cllm.config import SamplingParams
+from cllm.engine.engine import Delta
+from cllm.engine.sequence import FINISH_LENGTH
+from cllm.errors import APIError
+from cllm.http import schemas
+from cllm.http.common import AppState, chat_prompt, new_format, read_json, respond
+from cllm.http.formats import Choice, TypedEventsFormat, matched_stop
+from cllm.http.responses import anthropic_error
+
+
+@dataclass(slots=True)
+class MessagesRequest:
+    messages: list[dict]  # chat messages, the system prompt first if any
+    stream: bool
+    sampling: SamplingParams
+
+
+def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
+    """messages (user and assistant turns, text content), system, max_tokens (required),
+    temperature, top_p, top_k, stop_sequences, stream."""
+    if body.get("tools"):
+        raise APIError(400, "tools are not supported", param="tools")
+    if isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "enabled":
+        raise APIError(400, "extended thinking is not supported", param="thinking")
+    turns = body.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise APIError(400, "messages must be a non-empty array", param="messages")
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
+            raise APIError(400, f"messages[{i}].role must be user or assistant",
+                           param="messages")
+    system = body.get("system")
+    if system is not None:
+        turns = [{"role": "system", "content": system}, *turns]
+    messages = schemas.read_messages(turns)  # text blocks are chat's text parts
+    max_tokens = schemas.read_count(body, "max_tokens", 1, max_tokens_limit, None)
+    if max_tokens is None:
+        raise APIError(400, "max_tokens is required", param="max_tokens")
+    stops = body.get("stop_sequences")
+    if stops is not None and not (isinstance(stops, list)
+                                  and all(isinstance(s, str) for s in stops)):
+        raise APIError(400, "stop_sequences must be an array of strings",
+                       param="stop_sequences")
+    fields = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
+              "top_k": body.get("top_k"), "stop_sequences": stops}
+    sampling = schemas.read_sampling(fields, max_tokens, None, stop_field="stop_sequences")
+    stream = schemas.read_field(body, "stream", "a boolean", False)
+    return MessagesRequest(messages, stream, sampling)
+
+
+class MessagesFormat(TypedEventsFormat):
+    """A message, or the events that build one: message_start, one text block (start, deltas,
+    stop), message_delta with the stop reason and the output tokens, message_stop."""
+
+    def __init__(self, *args, n_prompt: int, stops: tuple[str, ...], is_eog, detokenize,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.request_id = "msg_" + self.request_id.partition("-")[2]
+        self.n_prompt = n_prompt
+        self.stops = stops
+        self.is_eog = is_eog
+        self.detokenize = detokenize
+        self._streamed = Choice()
+
+    def error_body(self, error: APIError) -> dict:
+        return anthropic_error(error)
+
+    def response(self, choices: list[Choice]) -> dict:
+        (choice,) = choices
+        reason, sequence = self._stop(choice)
+        return {**self._message([{"type": "text", "text": choice.text}], reason, sequence),
+                "usage": self._usage(choice)}
+
+    def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
+        out = []
+        if first:
+            out += [{"type": "message_start", "message": {
+                        **self._message([], None, None),
+                        "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}},
+                    {"type": "content_block_start", "index": 0,
+                     "content_block": {"type": "text", "text": ""}}]
+        self._streamed.add(delta)
+        if delta.text:
+            out.append({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": delta.text}})
+        if delta.finish_reason is not None:
+            reason, sequence = self._stop(self._streamed)
+            out += [{"type": "content_block_stop", "index": 0},
+                    {"type": "message_delta",
+                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                     "usage": self._usage(self._streamed)},
+                    {"type": "message_stop"}]
+        return out
+
+    def _message(self, content: list[dict], reason: str | None, sequence: str | None) -> dict:
+        return {"id": self.request_id, "type": "message", "role": "assistant",
+                "model": self.model, "content": content, "stop_reason": reason,
+                "stop_sequence": sequence}
+
+    def _usage(self, choice: Choice) -> dict:
+        """Anthropic's counts: input_tokens are those not read from the cache (OpenAI's
+        prompt_tokens count both)."""
+        return {"input_tokens": choice.prompt_tokens - choice.cached_tokens,
+                "output_tokens": choice.completion_tokens,
+                "cache_read_input_tokens": choice.cached_tokens}
+
+    def _stop(self, choice: Choice) -> tuple[str, str | None]:
+        """Anthropic's stop_reason, and the stop sequence that ended the message, if one did."""
+        if choice.finish_reason == FINISH_LENGTH:
+            return "max_tokens", None
+        if choice.token_ids and self.is_eog(choice.token_ids[-1]):
+            return "end_turn", None
+        return "stop_sequence", matched_stop(self.detokenize(choice.token_ids), self.stops)
+
+
+async def create_message(request: Request, state: AppState) -> Response:
+    body = await read_json(request, state.config)
+    engine = state.require_engine()
+    req = parse_request(body, max_tokens_limit=engine.max_seq_len)
+    prompt = await chat_prompt(state, engine, req.messages)
+    fmt = new_format(MessagesFormat, request, "msg", req.sampling, n_prompt=len(prompt),
+                     stops=req.sampling.stop, is_eog=engine.model.is_eog,
+                     detokenize=engine.model.detokenize)
+    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False, True)

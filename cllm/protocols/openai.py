@@ -1,0 +1,70 @@
+"""OpenAI's API: POST /v1/completions and /v1/chat/completions (tools and structured output
+included), GET /v1/models and /v1/models/{id}. Bodies are read by cllm/http/schemas.py, whose
+shapes every other protocol translates into; replies are shaped by cllm/http/formats.py."""
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from cllm.errors import APIError
+from cllm.http import schemas, tools
+from cllm.http.common import (
+    AppState,
+    chat_prompt,
+    constrained,
+    new_format,
+    read_json,
+    respond,
+    tokenize_text,
+)
+from cllm.http.formats import ChatFormat, CompletionFormat
+from cllm.http.model_card import model_card
+from cllm.http.schemas import Constraint
+
+
+async def completions(request: Request, state: AppState) -> Response:
+    body = await read_json(request, state.config)
+    engine = state.require_engine()
+    req = schemas.parse_completion(body, max_n=state.config.max_n,
+                               max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
+    prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
+        engine, req.prompt, add_special=True)
+    fmt = new_format(CompletionFormat, request, "cmpl", sampling,
+                     prompt_token_ids=prompt if req.return_token_ids else None)
+    return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
+                         req.cache_prompt)
+
+
+async def chat_completions(request: Request, state: AppState) -> Response:
+    body = await read_json(request, state.config)
+    engine = state.require_engine()
+    req = schemas.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
+    constraint = req.constraint
+    calls = req.tools is not None and req.tools.calls
+    if calls and (grammar := tools.call_grammar(req.tools)) is not None:
+        constraint = Constraint("lark", grammar, "tool_choice")  # the reply is forced calls
+    sampling = await constrained(engine, req.sampling, constraint)
+    messages, offered = tools.prompt_messages(req.messages, req.tools,
+                                              state.renderer.template.takes_tools)
+    prompt = await chat_prompt(state, engine, messages, offered)
+    fmt = new_format(ChatFormat, request, "chatcmpl", sampling, tool_calls=calls,
+                     prompt_token_ids=prompt if req.return_token_ids else None)
+    return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
+                         req.cache_prompt)
+
+
+async def models(request: Request, state: AppState) -> Response:
+    engine = state.require_engine()
+    return JSONResponse({"object": "list",
+                         "data": [model_card(state.model_name, state.model_root, engine)]})
+
+
+async def model(request: Request, state: AppState) -> Response:
+    """One model by its served name or its repository id (the openai SDK's models.retrieve)."""
+    engine = state.require_engine()
+    model_id = request.path_params["model_id"]
+    if model_id not in (state.model_name, state.model_root):
+        raise APIError(404, f"the model '{model_id}' does not exist", param="model",
+                       code="model_not_found")
+    return JSONResponse(model_card(state.model_name, state.model_root, engine))

@@ -1,0 +1,58 @@
+"""The engine's step timer on /metrics (cllm/http/metrics.py): read back as the benchmark reads it,
+from one server and from a scale-out front that merged several replicas."""
+from engine_checks import call
+
+from cllm.engine.steptimer import StepTimer
+from cllm.http.metrics import Metrics, _EngineSteps, merge, step_timer_counts
+
+
+def served(calls: int, rows: int, forward_steps: int) -> tuple[Metrics, StepTimer]:
+    metrics, timer = Metrics(), StepTimer()
+    metrics.registry.register(_EngineSteps(timer))
+    for _ in range(calls):
+        call(timer, "decode", rows=rows, forward_steps=forward_steps,
+             graphs_reused=forward_steps - 1)
+    return metrics, timer
+
+
+def test_one_servers_counts_read_back_as_its_timer_has_them():
+    metrics, timer = served(calls=3, rows=5, forward_steps=8)
+    counts = step_timer_counts(metrics.render().decode())
+    assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (3, 15, 24)
+    assert counts["graphs_reused"] == 21
+    assert counts["totals"]["decode"] == timer.totals["decode"]
+
+
+def test_decode_runs_timing_reads_back_by_part():
+    metrics, timer = served(calls=1, rows=4, forward_steps=8)
+    timer.start()
+    timer.add_run({"steps": 8, "decode_ms": 2.5, "after_step_ms": 0.0, "wait_ms": 0.0,
+                   "sample_ms": 0.5, "held_rows": 0.5}, call_seconds=0.025)
+    timer.end(rows=4, forward_steps=8)
+    text = metrics.render().decode()
+    counts = step_timer_counts(text)
+    assert (counts["run_steps"], counts["held_rows"]) == (8, 4)
+    help_line = next(line for line in text.splitlines()
+                     if line.startswith("# HELP cllm_engine_run_seconds_total"))
+    assert all(part in help_line for part in ("llama_decode", "after_step", "wait", "sample"))
+    assert counts["run"] == timer.run and counts["run"]["llama_decode"] == 8 * 2.5 / 1000
+    assert counts["run"].keys() == {"llama_decode", "after_step", "wait", "sample", "outside"}
+
+
+def test_a_front_that_merged_replicas_reads_as_their_sum():
+    (one, _), (two, _) = served(2, 4, 1), served(3, 6, 8)
+    counts = step_timer_counts(merge({"r1": one.render(), "r2": two.render()}).decode())
+    assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (5, 26, 26)
+
+
+def test_one_replica_of_a_merged_front_reads_as_its_own():
+    (one, _), (two, timer) = served(2, 4, 1), served(3, 6, 8)
+    text = merge({"r1": one.render(), "r2": two.render()}).decode()
+    counts = step_timer_counts(text, replica="r2")
+    assert (counts["steps"], counts["rows"], counts["forward_steps"]) == (3, 18, 24)
+    assert counts["totals"]["decode"] == timer.totals["decode"]
+    assert step_timer_counts(text, replica="r3") is None
+
+
+def test_a_server_without_the_counters_has_no_counts():
+    assert step_timer_counts(Metrics().render().decode()) is None
