@@ -1,4 +1,4 @@
-"""The chat page at / (static files shipped in cllm/web, no build step, nothing fetched from
+"""The chat page at / (static files shipped in cllm/app/web, no build step, nothing fetched from
 elsewhere) and GET /status, the JSON the page's live panel polls."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ PUBLIC_PATHS = frozenset({"/", *(f"/ui/{name}" for name in _FILES)})
 
 
 def _static(name: str) -> Response:
-    body = files("cllm").joinpath("web", name).read_bytes()
+    body = files("cllm.app").joinpath("web", name).read_bytes()
     return Response(body, media_type=_FILES[name], headers=_HEADERS)
 
 
