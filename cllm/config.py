@@ -15,6 +15,7 @@ MAX_TOP_LOGPROBS = 20
 # llama.cpp seeds its samplers with 32 bits, and takes 0xFFFFFFFF as "pick one at random": the
 # seeds that mean distinct streams are 0 .. 2**32 - 2. -1 (llama-server's "random") is no seed.
 MAX_SEED = (1 << 32) - 2
+MAX_PRIORITY = (1 << 31) - 1  # a 32-bit integer either way, as vLLM's
 
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
@@ -38,6 +39,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     grammar: object | None = None  # a structured.Grammar the output must match, or None
+    # Lower runs first, as vLLM's `priority`: admitted before, and preempting, higher values.
+    priority: int = 0
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of n: one seed must still give n different choices,
@@ -69,6 +72,7 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters")
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        _check_range("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
 
 
 @dataclass(slots=True)

@@ -472,8 +472,9 @@ class Engine:
         try:
             return self._step_with_masks(out, rows)
         except _core.KVCacheFullError:
-            # Nothing was written: give the newest sequence's cells back and plan again.
-            victim = self.scheduler.preempt_newest(time.monotonic())
+            # Nothing was written: give the cells of the lowest-priority sequence (the newest
+            # among equals) back and plan again.
+            victim = self.scheduler.preempt(time.monotonic())
             log.info("KV cache full: preempted %s", victim.request_id if victim else None)
         except _core.DecodeError as exc:
             self._rewind(out)

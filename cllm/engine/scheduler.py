@@ -160,6 +160,7 @@ class Scheduler:
         self._step_cells = 0
         self._step_end_tokens = 0
         out.expired = self._expire(now)
+        self._preempt_for_priority(now)
         budget = self._schedule_decodes(out, self.token_budget, now)
         n_decodes = len(out.chunks)
         budget = self._schedule_prefills(out, budget)
@@ -254,19 +255,47 @@ class Scheduler:
         seq.last_token_time = now
         self._check_end(seq, token, now)
 
-    def preempt_newest(self, now: float) -> Sequence | None:
-        """Free the KV of the most recently admitted running sequence and queue it first, to be
-        recomputed. Returns it, or None if nothing runs."""
+    def preempt(self, now: float) -> Sequence | None:
+        """Free the KV of the lowest-priority running sequence (the most recently admitted
+        among equals) and queue it first among its priority, to be recomputed. Returns it, or
+        None if nothing runs."""
         if not self.running:
             return None
-        seq = self.running.pop()
+        seq = self.running.pop(self._victim_index())
         self._release(seq, ending=False)  # its computed tokens stay cached to resume from
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq)  # first in the queue: _next_waiting orders by priority
         return seq
+
+    def _victim_index(self) -> int:
+        """The running sequence a preemption takes: the highest priority value, the latest
+        admitted (last in `running`) among equals."""
+        worst = max(seq.sampling.priority for seq in self.running)
+        return max(i for i, seq in enumerate(self.running) if seq.sampling.priority == worst)
+
+    def _next_waiting(self, skip: set[int]) -> int | None:
+        """Where the waiting sequence to admit next is in the queue: the lowest priority
+        value, the first among equals (arrival order, preempted ones first); None when every
+        waiting sequence is in `skip` (ids)."""
+        best = None
+        for i, seq in enumerate(self.waiting):
+            if id(seq) not in skip and (best is None or seq.sampling.priority
+                                         < self.waiting[best].sampling.priority):
+                best = i
+        return best
+
+    def _preempt_for_priority(self, now: float) -> None:
+        """With every slot taken and a waiting sequence of a lower priority value than the
+        worst running one, that one is preempted before this step plans its rows, and this
+        step's admission gives its slot to the waiting one (one such exchange a step)."""
+        if len(self.running) < self.max_seqs or not self.waiting or not self.running:
+            return
+        best = min(seq.sampling.priority for seq in self.waiting)
+        if best < self.running[self._victim_index()].sampling.priority:
+            self.preempt(now)
 
     def _check_end(self, seq: Sequence, token: int, now: float) -> None:
         params = seq.sampling
@@ -321,7 +350,7 @@ class Scheduler:
             # Out of cells: cached prefixes go first, then the newest sequence gives its cells
             # back, possibly this one.
             while not self._reclaim(1) and seq.status is SequenceStatus.RUNNING:
-                self.preempt_newest(now)
+                self.preempt(now)
             if seq.status is SequenceStatus.RUNNING:
                 budget -= self._add_chunk(out, seq, 1)
         return budget
@@ -367,18 +396,20 @@ class Scheduler:
         return added
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        held_back = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            seq = self.waiting.popleft()
+        held_back: set[int] = set()  # ids of the sequences left waiting for a shared prefix
+        while budget > 0 and len(self.running) < self.max_seqs:
+            index = self._next_waiting(held_back)
+            if index is None:
+                break
+            seq = self.waiting[index]
             if self._awaits_shared_prefix(seq):
-                held_back.append(seq)
+                held_back.add(id(seq))
                 continue
             if not self._start(seq, now):
-                self.waiting.appendleft(seq)
                 break
+            del self.waiting[index]
             out.started.append(seq)
             budget -= self._add_prompt_chunk(out, seq, budget)
-        self.waiting.extendleft(reversed(held_back))
 
     def _start(self, seq: Sequence, now: float) -> bool:
         """Give `seq` a slot, starting from the longest cached prefix of its tokens (all but the

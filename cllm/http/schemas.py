@@ -217,6 +217,7 @@ def read_sampling(body: dict, max_tokens: int, logprobs: int | None,
             stop=_stop(body.get(stop_field), stop_field),
             ignore_eos=read_field(body, "ignore_eos", "a boolean", False),
             logprobs=logprobs,
+            priority=read_field(body, "priority", "an integer", 0),
         )
     except ValueError as e:
         # SamplingParams' messages name the field ("top_p must be between ..."): reuse that name.

@@ -52,7 +52,8 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
         raise APIError(400, "stop_sequences must be an array of strings",
                        param="stop_sequences")
     fields = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
-              "top_k": body.get("top_k"), "stop_sequences": stops}
+              "top_k": body.get("top_k"), "stop_sequences": stops,
+              "priority": body.get("priority")}
     sampling = schemas.read_sampling(fields, max_tokens, None, stop_field="stop_sequences")
     stream = schemas.read_field(body, "stream", "a boolean", False)
     return MessagesRequest(messages, stream, sampling)

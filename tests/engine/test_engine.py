@@ -757,3 +757,45 @@ async def _chain_beside_a_long_request(eng, prompts):
     async for _ in long:  # its end, after the abort
         pass
     return marks
+
+
+# ---- priority ----
+
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_a_request_of_higher_priority_preempts_one_whose_text_stays_what_it_was(model_path):
+    """Two low-priority requests hold both slots; an urgent one arrives, preempts the newer of
+    them and ends first; the preempted one resumes and ends with the text it has alone (greedy
+    and seeded)."""
+    eng = Engine(EngineConfig(n_ctx=2 * 512, n_parallel=2, n_threads=2, kv_unified=False),
+                 model_path)
+    low = [dict(max_tokens=48, temperature=0, ignore_eos=True),
+           dict(max_tokens=48, temperature=0.9, seed=5, ignore_eos=True)]
+    try:
+        alone = [asyncio.run(run(eng, PROMPTS[i], **low[i]))[0] for i in range(2)]
+        ended = []
+
+        async def until_end(name, stream, first_delta=None):
+            text = first_delta.text if first_delta else ""
+            async for delta in stream:
+                text += delta.text
+            ended.append(name)
+            return text
+
+        async def together():
+            streams = [eng.submit(eng.model.tokenize(PROMPTS[i]),
+                                  SamplingParams(priority=5, **low[i])) for i in range(2)]
+            firsts = [await stream.__anext__() for stream in streams]  # both run now
+            lows = [asyncio.create_task(until_end(f"low{i}", streams[i], firsts[i]))
+                    for i in range(2)]
+            urgent = eng.submit(eng.model.tokenize(PROMPTS[2]),
+                                SamplingParams(max_tokens=4, temperature=0, priority=0))
+            await until_end("urgent", urgent)
+            return await asyncio.gather(*lows)
+
+        texts = asyncio.run(together())
+        assert ended[0] == "urgent"
+        assert eng.scheduler.num_preemptions == 1
+        assert texts == alone
+        assert_idle(eng)
+    finally:
+        eng.shutdown()

@@ -21,11 +21,13 @@ EOS = 2
 _first_tokens = itertools.count(1000)
 
 
-def make_seq(n_prompt, max_tokens=16, name=None, deadline=None, ignore_eos=False, prompt=None):
+def make_seq(n_prompt, max_tokens=16, name=None, deadline=None, ignore_eos=False, prompt=None,
+             priority=0):
     """A prompt of its own (a distinct first token: nothing to share) unless one is given."""
     prompt = prompt or [next(_first_tokens)] + list(range(10, 10 + n_prompt - 1))
     return Sequence(name or f"r{n_prompt}", prompt,
-                    SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                   priority=priority),
                     arrival_time=0.0, deadline=deadline)
 
 
@@ -258,7 +260,7 @@ def test_preempted_sequence_recomputes_prompt_and_output(prefix_cache):
     sched.add(seq)
     for step in range(3):
         run_step(sched, now=step)
-    assert sched.preempt_newest(3.0) is seq
+    assert sched.preempt(3.0) is seq
     assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
     out = sched.schedule(4.0)
     (chunk,) = out.chunks
@@ -274,7 +276,7 @@ def test_a_preempted_sequence_aborted_while_it_waits_leaves_only_what_the_rules_
     for step in range(3):
         run_step(sched, now=step)
     slot = sched.cache.slots[seq.seq_id]
-    sched.preempt_newest(3.0)
+    sched.preempt(3.0)
     assert slot.cached == 12  # its prompt and the output it will resume from
     assert sched.finish(seq, FINISH_ABORT, 4.0)
     assert slot.cached == 10  # replies are dropped: its prompt only
@@ -384,3 +386,52 @@ def test_a_decode_runs_tokens_end_a_sequence_only_at_a_rows_last():
     assert eos.output_token_ids == [7, 8, EOS] and eos.finish_reason == FINISH_STOP
     assert going.output_token_ids == [7, 9, 10, 11, 12] and not going.is_finished
     assert going.num_computed_tokens == going.num_tokens - 1
+
+
+# ---- priority ----
+
+def test_waiting_sequences_start_by_priority_then_arrival():
+    sched = make_scheduler(max_seqs=1, budget=64)
+    for name, priority in (("late-low", 5), ("first-mid", 1), ("urgent", -3), ("second-mid", 1)):
+        sched.add(make_seq(8, max_tokens=1, name=name, priority=priority))
+    started = []
+    while sched.has_work:
+        started += [seq.request_id for seq in run_step(sched).started]
+    assert started == ["urgent", "first-mid", "second-mid", "late-low"]
+
+
+def test_an_arrival_of_higher_priority_preempts_the_lowest_running_the_newest_among_equals():
+    sched = make_scheduler(max_seqs=3, budget=64)
+    for name, priority in (("a", 2), ("b", 5), ("c", 5)):
+        sched.add(make_seq(8, max_tokens=50, name=name, priority=priority))
+    run_step(sched)
+    run_step(sched)
+    assert sched.num_preemptions == 0
+    sched.add(make_seq(8, max_tokens=50, name="urgent", priority=0))
+    out = run_step(sched)
+    assert [seq.request_id for seq in out.started] == ["urgent"]
+    assert [seq.request_id for _, seq in out.released] == ["c"]
+    assert sorted(seq.request_id for seq in sched.running) == ["a", "b", "urgent"]
+    (preempted,) = sched.waiting
+    assert preempted.request_id == "c" and preempted.status is SequenceStatus.WAITING
+    assert preempted.num_output_tokens == 2  # kept: it resumes after its prompt and these
+
+
+def test_equal_or_lower_priority_arrivals_wait_for_a_free_slot():
+    sched = make_scheduler(max_seqs=2, budget=64)
+    for name in ("a", "b"):
+        sched.add(make_seq(8, max_tokens=50, name=name, priority=1))
+    run_step(sched)
+    sched.add(make_seq(8, max_tokens=50, name="same", priority=1))
+    sched.add(make_seq(8, max_tokens=50, name="lower", priority=9))
+    for _ in range(3):
+        assert run_step(sched).started == []
+    assert sched.num_preemptions == 0
+
+
+def test_kv_full_preemption_takes_the_lowest_priority_first():
+    sched = make_scheduler(max_seqs=3, budget=64)
+    for name, priority in (("low", 7), ("high", -1), ("mid", 3)):
+        sched.add(make_seq(8, max_tokens=50, name=name, priority=priority))
+    run_step(sched)
+    assert [sched.preempt(1.0).request_id for _ in range(3)] == ["low", "mid", "high"]

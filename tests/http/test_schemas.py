@@ -176,11 +176,17 @@ def test_completion_bad_prompts(prompt):
     ("stop", ["s"] * 17), ("stop", ["x" * 257]),
     ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
     ("ignore_eos", 1), ("ignore_eos", "true"),
+    ("priority", 1.5), ("priority", "1"), ("priority", True), ("priority", 1 << 31),
     ("stream", "yes"), ("stream", 1), ("stream_options", "usage"), ("echo", "no"),
     ("echo", True), ("model", 5),
 ])
 def test_completion_field_rejections(field, value):
     rejects(lambda: completion(**{field: value}), field)
+
+
+def test_priority_is_read_on_every_route_that_samples():
+    assert completion(priority=-2).sampling.priority == -2
+    assert chat().sampling.priority == 0
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
