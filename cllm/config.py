@@ -41,6 +41,10 @@ class SamplingParams:
     grammar: object | None = None  # a structured.Grammar the output must match, or None
     # Lower runs first, as vLLM's `priority`: admitted before, and preempting, higher values.
     priority: int = 0
+    # Whose request it is, and that user's weight: requests of the same priority start in
+    # proportion to their users' weights (cllm/engine/fair_share.py).
+    user: str = ""
+    user_weight: float = 1.0
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of n: one seed must still give n different choices,
@@ -73,6 +77,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         _check_range("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
+        if not self.user_weight > 0:
+            raise ValueError(f"user_weight must be above 0, got {self.user_weight}")
 
 
 @dataclass(slots=True)
@@ -141,6 +147,42 @@ class EngineConfig:
                                  f"got {getattr(self, name)!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A client's key and what it is given: its name (the user its requests count for in the
+    fair shares), its weight there, and the lowest priority value its requests may have."""
+    key: str
+    name: str = ""
+    weight: float = 1.0
+    priority: int = 0
+
+
+def parse_api_keys(text: str) -> tuple[ApiKey, ...]:
+    """An API key file: a key a line, each optionally followed by name=NAME, weight=W and
+    priority=P (blank lines and lines starting with # are skipped)."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        fields = {}
+        for word in words[1:]:
+            name, sep, value = word.partition("=")
+            if not sep or name not in ("name", "weight", "priority") or name in fields:
+                raise ValueError(f"line {number}: {word!r} is not name=, weight= or priority=")
+            fields[name] = value
+        try:
+            key = ApiKey(words[0], fields.get("name", ""), float(fields.get("weight", 1.0)),
+                         int(fields.get("priority", 0)))
+        except ValueError:
+            raise ValueError(f"line {number}: weight takes a number, priority an integer") \
+                from None
+        if not key.weight > 0:
+            raise ValueError(f"line {number}: the weight must be above 0")
+        keys.append(key)
+    return tuple(keys)
+
+
 @dataclass(slots=True)
 class ServerConfig:
     """Where and how the HTTP server listens."""
@@ -148,6 +190,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()  # from --api-key-file, each with its name and share
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16  # completions per request ("n")
     shutdown_grace: float = 30.0
@@ -167,6 +210,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+
+    def keys(self) -> tuple[ApiKey, ...]:
+        """Every key that opens the server: --api-key's (no name) and the key file's."""
+        return ((ApiKey(self.api_key),) if self.api_key else ()) + self.api_keys
 
 
 CPU_WAIT_MODES = ("auto", "spin", "sleep")

@@ -16,7 +16,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
 
 
 from cllm.app.launch import check_model_file, serve
-from cllm.config import EngineConfig, ServerConfig
+from cllm.config import ApiKey, EngineConfig, ServerConfig, parse_api_keys
 from cllm.models import resolve_model
 
 
@@ -66,7 +66,9 @@ OPTIONS = {
     "flash_attn": (str, _ENGINE.flash_attn, "flash attention: on, off or auto"),
     "api_key": (str, _SERVER.api_key, "require 'Authorization: Bearer KEY' (all but /health); "
                 "a flag is visible to local users, so prefer CLLM_API_KEY or --api-key-file"),
-    "api_key_file": (str, None, "read the API key from this file"),
+    "api_key_file": (str, None, "API keys, one a line, each optionally with name=NAME "
+                     "weight=W priority=P: the user its requests count for in the fair shares, "
+                     "its weight there, the lowest priority value it may ask for"),
     "request_timeout": (float, _ENGINE.request_timeout, "seconds a request may take in all"),
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
     "decode_steps": (int, _ENGINE.decode_steps,
@@ -177,7 +179,9 @@ def build_config(options: dict) -> ServerConfig:
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"], successor_wait=options["successor_wait"],
         request_timeout=options["request_timeout"])
-    return ServerConfig(host=options["host"], port=options["port"], api_key=_api_key(options),
+    api_key, api_keys = _api_keys(options)
+    return ServerConfig(host=options["host"], port=options["port"], api_key=api_key,
+                        api_keys=api_keys,
                         served_model_name=options["served_model_name"],
                         max_body_bytes=options["max_body_bytes"],
                         shutdown_grace=options["shutdown_grace"],
@@ -187,21 +191,25 @@ def build_config(options: dict) -> ServerConfig:
                         stream_interval=options["stream_interval"], engine=engine)
 
 
-def _api_key(options: dict) -> str | None:
-    """--api-key, or the contents of --api-key-file: a key in the command line can be read by
+def _api_keys(options: dict) -> tuple[str | None, tuple[ApiKey, ...]]:
+    """--api-key, or the keys of --api-key-file: a key in the command line can be read by
     every local user (/proc/*/cmdline), one in a file or in CLLM_API_KEY cannot."""
     path = options["api_key_file"]
     if path is None:
-        return options["api_key"]
+        return options["api_key"], ()
     if options["api_key"] is not None:
         raise ValueError("give --api-key or --api-key-file, not both")
     try:
-        key = Path(path).read_text().strip()
+        text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
-    if not key:
+    try:
+        keys = parse_api_keys(text)
+    except ValueError as exc:
+        raise ValueError(f"the API key file {path}, {exc}") from None
+    if not keys:
         raise ValueError(f"the API key file {path} is empty")
-    return key
+    return None, keys
 
 
 def main(argv: list[str] | None = None) -> int:

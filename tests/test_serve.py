@@ -110,6 +110,29 @@ def test_api_key_from_a_file_stays_out_of_the_process_list(tmp_path):
         assert r.status_code == 200
 
 
+def test_a_key_file_names_users_with_their_weights_and_priorities(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# the family\nk-alice name=alice weight=2\n\n"
+                    "k-agents name=agents priority=5\nk-plain\n")
+    config = serve.build_config(serve.parse_args(["--api-key-file", str(path)]))
+    assert config.api_key is None
+    assert [(k.key, k.name, k.weight, k.priority) for k in config.keys()] == [
+        ("k-alice", "alice", 2.0, 0), ("k-agents", "agents", 1.0, 5), ("k-plain", "", 1.0, 0)]
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("k colour=red", "'colour=red' is not name=, weight= or priority="),
+    ("k name=a name=b", "'name=b' is not"), ("k weight=heavy", "weight takes a number"),
+    ("k priority=1.5", "priority an integer"), ("k weight=0", "the weight must be above 0"),
+])
+def test_bad_key_file_lines_exit_2_naming_the_line(tmp_path, capsys, line, reason):
+    path = tmp_path / "keys"
+    path.write_text("k0\n" + line + "\n")
+    assert serve.main(["--api-key-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and reason in err
+
+
 @pytest.mark.parametrize("argv, reason", [
     (["--api-key-file", "/nonexistent/key"], "cannot read the API key file"),
     (["--api-key", "k", "--api-key-file", "/dev/null"], "not both"),

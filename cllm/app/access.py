@@ -7,16 +7,16 @@ import hmac
 from starlette.middleware import Middleware
 
 from cllm.app import webui
-from cllm.config import ServerConfig
+from cllm.config import ApiKey, ServerConfig
 from cllm.errors import APIError
-from cllm.http.common import error_response, error_shape
+from cllm.http.common import KEY_STATE, error_response, error_shape
 
 
 def access_checks(config: ServerConfig) -> list[Middleware]:
     """Who may call the server: the API key's holders, or without a key, clients that name its
     address (scaleout/ray_app.py guards its own routes with these too)."""
-    if config.api_key:
-        return [Middleware(APIKeyMiddleware, api_key=config.api_key,
+    if config.keys():
+        return [Middleware(APIKeyMiddleware, keys=config.keys(),
                            public_paths=frozenset({"/health"}) | webui.PUBLIC_PATHS)]
     if config.host not in WILDCARD_ADDRESSES:  # bound to all: any name may be legitimate
         return [Middleware(HostCheckMiddleware, bound_host=config.host)]
@@ -26,26 +26,39 @@ def access_checks(config: ServerConfig) -> list[Middleware]:
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every route but the public ones (/health, the chat
     page's files), compared in constant time; on /v1/messages `X-Api-Key: <key>` too, as
-    Anthropic's clients send it."""
+    Anthropic's clients send it. The matching key's entry goes to the request's state
+    (`KEY_STATE`): whose request it is, for the fair shares."""
 
-    def __init__(self, app, api_key: str, public_paths: frozenset[str]) -> None:
+    def __init__(self, app, keys: tuple[ApiKey, ...], public_paths: frozenset[str]) -> None:
         self.app = app
-        self.key = api_key.encode()
-        self.bearer = b"Bearer " + self.key
+        self.keys = [(entry, b"Bearer " + entry.key.encode(), entry.key.encode())
+                     for entry in keys]
         self.public_paths = public_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public_paths:
             headers = dict(scope["headers"])
-            bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
-            key_ok = (scope["path"] == "/v1/messages"
-                      and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key))
-            if not (bearer_ok or key_ok):
+            match = self._match(headers.get(b"authorization", b""),
+                                headers.get(b"x-api-key") if scope["path"] == "/v1/messages"
+                                else None)
+            if match is None:
                 error = APIError(401, "missing or wrong API key", type="authentication_error",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await error_response(error, error_shape(scope["path"]))(scope, receive, send)
                 return
+            scope.setdefault("state", {})[KEY_STATE] = match
         await self.app(scope, receive, send)
+
+    def _match(self, authorization: bytes, x_api_key: bytes | None) -> ApiKey | None:
+        """The entry whose key was sent. Every key is compared, so the time taken does not
+        tell how many keys there are before the right one."""
+        match = None
+        for entry, bearer, raw in self.keys:
+            bearer_ok = hmac.compare_digest(authorization, bearer)
+            key_ok = x_api_key is not None and hmac.compare_digest(x_api_key, raw)
+            if bearer_ok or key_ok:
+                match = entry
+        return match
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cllm.engine.fair_share import FairShare
 from cllm.engine.prefix_cache import KvOp, Placement, PrefixCache, Slot, common_packed_prefix, pack
 from cllm.engine.sequence import (
     FINISH_ERROR,
@@ -94,6 +95,7 @@ class Scheduler:
                                  enabled=prefix_cache, block=prefill_block, replies=cache_replies,
                                  prompts=cache_prompts)
         self.waiting: deque[Sequence] = deque()
+        self.fair_share = FairShare()
         self.running: list[Sequence] = []
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
         self._step_cells = 0  # cells the step being planned will fill
@@ -131,6 +133,7 @@ class Scheduler:
             raise ValueError(f"{seq.num_tokens} prompt tokens do not fit a context of "
                              f"{self.max_seq_len} with room for one generated token")
         self.waiting.append(seq)
+        self.fair_share.arrive(seq.sampling.user)
 
     def finish(self, seq: Sequence, reason: str, now: float, error: str | None = None) -> bool:
         """End `seq` and give back what it holds. False if it had already finished."""
@@ -143,6 +146,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self._kv_ops += self.cache.abandon(seq)  # if preempted: it will not resume
         seq.status = SequenceStatus.FINISHED
+        self.fair_share.leave(seq.sampling.user)
         seq.finish_reason = reason
         seq.error = error
         seq.finished_time = now
@@ -217,6 +221,7 @@ class Scheduler:
             if seq.is_finished or count == 0:
                 continue
             self._computed(seq, count)
+            self._charge(seq, count - chunk.length)  # the run's steps after the planned one
             start = i * n_steps
             seq.output_token_ids += tokens[start:start + count - 1]
             if tokens[start + count - 1] < 0:  # sampled no token: the run stopped it there
@@ -278,13 +283,16 @@ class Scheduler:
 
     def _next_waiting(self, skip: set[int]) -> int | None:
         """Where the waiting sequence to admit next is in the queue: the lowest priority
-        value, the first among equals (arrival order, preempted ones first); None when every
-        waiting sequence is in `skip` (ids)."""
-        best = None
+        value, then the user whose fair-share clock is lowest, then the first in the queue
+        (arrival order, preempted ones first); None when every waiting sequence is in `skip`
+        (ids)."""
+        best, best_key = None, None
         for i, seq in enumerate(self.waiting):
-            if id(seq) not in skip and (best is None or seq.sampling.priority
-                                         < self.waiting[best].sampling.priority):
-                best = i
+            if id(seq) in skip:
+                continue
+            key = (seq.sampling.priority, self.fair_share.clock(seq.sampling.user))
+            if best_key is None or key < best_key:
+                best, best_key = i, key
         return best
 
     def _preempt_for_priority(self, now: float) -> None:
@@ -470,7 +478,13 @@ class Scheduler:
             return 0
         out.chunks.append(ScheduledChunk(seq, start, length, start + length == seq.num_tokens))
         self._step_cells += length
+        self._charge(seq, length)
         return length
+
+    def _charge(self, seq: Sequence, tokens: int) -> None:
+        """Count tokens toward `seq`'s user's share when they are planned, so that the next
+        admission in the same step already sees them."""
+        self.fair_share.charge(seq.sampling.user, seq.sampling.user_weight, tokens)
 
     def _kv_free(self) -> int:
         if not self.cache.shared_cells:  # a stream per slot, as long as a sequence may grow

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cllm.config import SamplingParams, ServerConfig
+from cllm.config import ApiKey, SamplingParams, ServerConfig
 from cllm.engine.embedder import Embeddings
 from cllm.engine.engine import Delta, Engine, EngineStoppedError, PromptTooLongError
 from cllm.engine.sequence import FINISH_ABORT
@@ -207,6 +207,20 @@ def error_response(error: APIError, fmt_error_body=APIError.body) -> JSONRespons
     return JSONResponse(fmt_error_body(error), status_code=error.status, headers=error.headers)
 
 
+# Where the access check leaves the API key a request came with (a config.ApiKey).
+KEY_STATE = "cllm_api_key"
+
+
+def for_caller(sampling: SamplingParams, key: ApiKey | None) -> SamplingParams:
+    """A request sent with a named key counts for that key's user, at its weight, and asks
+    for no lower priority value than the key's; without one, the request's own `user` field
+    names the user."""
+    if key is None or not key.name:
+        return sampling
+    return dataclasses.replace(sampling, user=key.name, user_weight=key.weight,
+                               priority=max(sampling.priority, key.priority))
+
+
 async def respond(request: Request, fmt: Format, prompt: list[int], sampling: SamplingParams,
                   n: int, stream: bool, include_usage: bool, cache_prompt: bool) -> Response:
     """Submit n sequences for one request and answer it, streamed or whole."""
@@ -216,6 +230,7 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
         raise APIError(400, "the prompt has no tokens", param="prompt")
     if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
         raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
+    sampling = for_caller(sampling, request.scope.get("state", {}).get(KEY_STATE))
     streams = []
     # A whole response reads only the sum of the deltas: they may come as the engine makes them.
     interval = state.config.stream_interval if stream else None

@@ -218,6 +218,7 @@ def read_sampling(body: dict, max_tokens: int, logprobs: int | None,
             ignore_eos=read_field(body, "ignore_eos", "a boolean", False),
             logprobs=logprobs,
             priority=read_field(body, "priority", "an integer", 0),
+            user=read_field(body, "user", "a string", ""),
         )
     except ValueError as e:
         # SamplingParams' messages name the field ("top_p must be between ..."): reuse that name.

@@ -1,0 +1,47 @@
+"""The access check's keys (cllm/app/access.py): which entry a request's key matched, and what
+a named key makes of the request (cllm/http/common.for_caller). No model needed."""
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from cllm.app.access import APIKeyMiddleware
+from cllm.config import ApiKey, SamplingParams
+from cllm.http.common import KEY_STATE, for_caller
+
+KEYS = (ApiKey("k-alice", "alice", 2.0, 0), ApiKey("k-agents", "agents", 1.0, 5), ApiKey("k"))
+
+
+async def whose(request):
+    key = request.scope["state"][KEY_STATE]
+    return JSONResponse({"name": key.name, "weight": key.weight})
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = Starlette(routes=[Route("/v1/whose", whose), Route("/v1/messages", whose)],
+                    middleware=[Middleware(APIKeyMiddleware, keys=KEYS,
+                                           public_paths=frozenset())])
+    return TestClient(app)
+
+
+def test_each_key_opens_the_server_as_its_own_user(client):
+    for key, name in (("k-alice", "alice"), ("k-agents", "agents"), ("k", "")):
+        r = client.get("/v1/whose", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and r.json()["name"] == name
+    r = client.get("/v1/messages", headers={"X-Api-Key": "k-agents"})
+    assert r.json()["name"] == "agents"
+    for headers in ({}, {"Authorization": "Bearer k-alicE"}, {"X-Api-Key": "k-alice"}):
+        assert client.get("/v1/whose", headers=headers).status_code == 401
+
+
+def test_a_named_key_sets_the_user_its_weight_and_a_floor_on_the_priority():
+    asked = SamplingParams(priority=1, user="spoofed")
+    agents = for_caller(asked, KEYS[1])
+    assert (agents.user, agents.user_weight, agents.priority) == ("agents", 1.0, 5)
+    alice = for_caller(asked, KEYS[0])
+    assert (alice.user, alice.user_weight, alice.priority) == ("alice", 2.0, 1)
+    assert for_caller(asked, KEYS[2]) is asked  # an unnamed key: the request's own user
+    assert for_caller(asked, None) is asked
