@@ -34,10 +34,15 @@ def failure(delta: Delta) -> SequenceFailure | None:
     """The error a final delta stands for, or None if it ended normally."""
     if delta.finish_reason in (FINISH_STOP, FINISH_LENGTH, None):
         return None
-    status, type_, code, headers = _FAILURES.get(delta.finish_reason,
-                                                 (500, "server_error", delta.finish_reason, {}))
-    message = delta.error or f"the request ended: {delta.finish_reason}"
-    return SequenceFailure(status, message, type=type_, code=code, headers=headers)
+    return ended(delta.finish_reason, delta.error, SequenceFailure)
+
+
+def ended(reason: str, message: str | None = None, error: type[APIError] = APIError) -> APIError:
+    """The error of a request that ended for `reason` (a finish reason: timeout, shutdown, ...)
+    without a usable result; requests served outside the engine (embeddings) end with it too."""
+    status, type_, code, headers = _FAILURES.get(reason, (500, "server_error", reason, {}))
+    return error(status, message or f"the request ended: {reason}", type=type_, code=code,
+                 headers=headers)
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, Delta]]]:

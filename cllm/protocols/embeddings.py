@@ -13,9 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cllm.engine.embedder import Stopped
+from cllm.engine.sequence import FINISH_TIMEOUT
 from cllm.errors import APIError
 from cllm.http import schemas
 from cllm.http.common import AppState, read_json, shutting_down, tokenize_text, until_disconnect
+from cllm.http.generation import ended
 
 MAX_INPUTS = 2048  # OpenAI's limits per request
 MAX_TOKENS = 300_000  # the inputs' tokens summed
@@ -52,6 +54,23 @@ def parse_embeddings(body: dict) -> EmbeddingsRequest:
     return EmbeddingsRequest(value, encoding == "base64")
 
 
+async def _embed(request: Request, state: AppState, inputs: list[list[int]]) -> list[array]:
+    """The vectors, computed in a worker thread. Within the request timeout, as a generation:
+    its turns wait behind other requests' decodes, and 300,000 tokens take minutes on a CPU."""
+    stop = threading.Event()
+    timeout = state.config.engine.request_timeout
+    try:
+        return await asyncio.wait_for(until_disconnect(
+            request, asyncio.to_thread(state.embeddings.embed, inputs, stop)), timeout)
+    except asyncio.TimeoutError:
+        raise ended(FINISH_TIMEOUT, "the request did not finish within the request timeout "
+                    f"({timeout:g} s)") from None
+    except Stopped:
+        raise shutting_down() from None
+    finally:  # the worker goes on unless told: its client may have left, or time run out
+        state.embeddings.stop(stop)
+
+
 def _encode(vector: array, as_base64: bool) -> list[float] | str:
     if not as_base64:
         return vector.tolist()
@@ -80,14 +99,7 @@ async def embeddings(request: Request, state: AppState) -> Response:
     if n_tokens > MAX_TOKENS:
         raise APIError(400, f"the inputs have {n_tokens} tokens; at most {MAX_TOKENS} a request",
                        param="input")
-    stop = threading.Event()
-    try:
-        vectors = await until_disconnect(
-            request, asyncio.to_thread(state.embeddings.embed, inputs, stop))
-    except Stopped:
-        raise shutting_down() from None
-    finally:  # the worker goes on unless told: its client may have left
-        state.embeddings.stop(stop)
+    vectors = await _embed(request, state, inputs)
     return JSONResponse({
         "object": "list", "model": state.model_name,
         "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.base64)}

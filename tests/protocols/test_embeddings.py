@@ -154,3 +154,14 @@ def test_sigterm_past_the_grace_period_stops_an_embedding_request_with_a_503():
         assert reply.startswith(b"HTTP/1.1 503 "), reply[:300]
         assert b'"shutting_down"' in reply
         assert "Traceback" not in srv.log
+
+
+def test_the_request_timeout_ends_an_embedding_request_with_generations_408():
+    with ServerProcess("--request-timeout", "2") as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json=LARGE, timeout=60)
+        error = assert_error(r, 408, type_="timeout", code="request_timeout")
+        assert "2 s" in error["message"]
+        assert wait_for_metric(srv.url, RUNNING, lambda n: n == 0, timeout=60) == 0
+        small = httpx.post(srv.url + "/v1/embeddings", json={"input": "Hello"}, timeout=60)
+        assert small.status_code == 200 and len(small.json()["data"]) == 1
+        assert "Traceback" not in srv.log
