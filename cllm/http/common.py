@@ -25,7 +25,7 @@ from cllm.http.chat_template import ChatTemplate, TemplateRenderer
 from cllm.http.formats import Format, GenerateFormat
 from cllm.http.generation import Generation, SequenceFailure, failure
 from cllm.http.metrics import Metrics
-from cllm.http.model_card import repo_id
+from cllm.http.model_card import model_names, repo_id
 from cllm.http.responses import Token, anthropic_error, token_name
 from cllm.http.schemas import Constraint
 
@@ -44,6 +44,7 @@ class AppState:
         self.config = config
         self.model_name = model_name
         self.model_root = model_name  # the repository id once the model is loaded, if known
+        self.model_names = frozenset({model_name})  # all it answers to (model_card.model_names)
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.renderer: TemplateRenderer | None = None
@@ -68,6 +69,7 @@ class AppState:
         self.embeddings = Embeddings(engine)
         self.metrics.watch(engine, self.embeddings)
         self.model_root = repo_id(model.metadata, self.config.engine.model) or self.model_name
+        self.model_names = model_names(self.model_name, self.model_root, model.path)
         self.engine = engine
 
     async def stop(self) -> None:
@@ -90,6 +92,20 @@ class AppState:
         if self.engine.failure:
             raise APIError(503, self.engine.failure, type="server_error", code="engine_failed")
         return self.engine
+
+    def engine_for(self, body: dict) -> Engine:
+        """The engine, for a request body that may name the model it wants (require_model)."""
+        engine = self.require_engine()
+        self.require_model(schemas.read_field(body, "model", "a string"))
+        return engine
+
+    def require_model(self, name: str | None) -> None:
+        """A request may name the model by any of its names; another name is a 404
+        model_not_found, as OpenAI and vLLM answer it, rather than another model's reply under
+        that name. No name, or an empty one (as some clients send), means this model."""
+        if name and name not in self.model_names:
+            raise APIError(404, f"the model '{name}' does not exist", param="model",
+                           code="model_not_found")
 
     def token(self, token: int) -> Token:
         """A token as logprobs show it: the bytes it adds to the text, named by them; a control

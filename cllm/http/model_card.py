@@ -6,6 +6,7 @@ Two names: the served name (`id`: --served-model-name, else the alias or file na
 as benchmarks use to find the model's tokenizer."""
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import urlparse
 
 from cllm.models import ALIASES
@@ -27,6 +28,14 @@ def repo_id(metadata: dict[str, str], model_arg: str | None) -> str | None:
     if spec is not None and spec.repo_id:
         return spec.repo_id
     return _org_name(metadata.get(_BASE_REPO_KEY, ""))
+
+
+def model_names(served: str, root: str, path: str) -> frozenset[str]:
+    """Every name a request may address the model by: the served name, the repository id and
+    the aliases (cllm/models.py) of its file, however it was loaded."""
+    filename = Path(path).name
+    aliases = {alias for alias, spec in ALIASES.items() if spec.filename == filename}
+    return frozenset({served, root, *aliases})
 
 
 def _org_name(value: str) -> str | None:

@@ -126,7 +126,7 @@ class MessagesFormat(TypedEventsFormat):
 
 async def create_message(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.require_engine()
+    engine = state.engine_for(body)
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
     prompt = await chat_prompt(state, engine, req.messages)
     fmt = new_format(MessagesFormat, request, "msg", req.sampling, n_prompt=len(prompt),

@@ -81,8 +81,9 @@ def _encode(vector: array, as_base64: bool) -> list[float] | str:
 
 
 async def embeddings(request: Request, state: AppState) -> Response:
-    req = parse_embeddings(await read_json(request, state.config))
-    engine = state.require_engine()
+    body = await read_json(request, state.config)
+    req = parse_embeddings(body)
+    engine = state.engine_for(body)
     inputs = [item if isinstance(item, list) else await tokenize_text(engine, item,
                                                                       add_special=True)
               for item in req.inputs]

@@ -145,7 +145,7 @@ class NativeCompletionFormat(Format):
 
 async def completion(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.require_engine()
+    engine = state.engine_for(body)
     req = parse_completion(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(

@@ -6,7 +6,6 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cllm.errors import APIError
 from cllm.http import schemas, tools
 from cllm.http.common import (
     AppState,
@@ -24,7 +23,7 @@ from cllm.http.schemas import Constraint
 
 async def completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.require_engine()
+    engine = state.engine_for(body)
     req = schemas.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
@@ -38,7 +37,7 @@ async def completions(request: Request, state: AppState) -> Response:
 
 async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.require_engine()
+    engine = state.engine_for(body)
     req = schemas.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
     constraint = req.constraint
     calls = req.tools is not None and req.tools.calls
@@ -61,10 +60,7 @@ async def models(request: Request, state: AppState) -> Response:
 
 
 async def model(request: Request, state: AppState) -> Response:
-    """One model by its served name or its repository id (the openai SDK's models.retrieve)."""
+    """One model by any of its names (the openai SDK's models.retrieve)."""
     engine = state.require_engine()
-    model_id = request.path_params["model_id"]
-    if model_id not in (state.model_name, state.model_root):
-        raise APIError(404, f"the model '{model_id}' does not exist", param="model",
-                       code="model_not_found")
+    state.require_model(request.path_params["model_id"])
     return JSONResponse(model_card(state.model_name, state.model_root, engine))

@@ -401,6 +401,7 @@ def server():
 
 
 HTTP_TIMEOUT = 300  # constrained replies of many schemas, on 2 busy cores
+MODEL = "smollm2-135m-instruct"  # the served model's name: another is a 404
 
 
 def _texts(path: str, response: dict) -> list[str]:
@@ -541,7 +542,7 @@ def _arguments(call, tool: dict) -> dict:
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_named_tool_choice_calls_that_tool_once(client, parallel):
     r = client.chat.completions.create(
-        model="m", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=100,
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=100,
         tool_choice={"type": "function", "function": {"name": "get_time"}},
         parallel_tool_calls=parallel)
     (choice,) = r.choices
@@ -552,7 +553,7 @@ def test_a_named_tool_choice_calls_that_tool_once(client, parallel):
 
 
 def test_required_calls_are_valid_calls_of_offered_tools(client):
-    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME],
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
                                        tool_choice="required", temperature=0.8, seed=2, n=2,
                                        parallel_tool_calls=False, max_tokens=100)
     for choice in r.choices:
@@ -569,7 +570,7 @@ def test_parallel_calls_come_with_their_own_ids(client):
     messages = [{"role": "system", "content": "Always call get_weather once for each city."},
                 {"role": "user", "content": "Weather in Paris and in Rome?"}]
     r = client.chat.completions.create(
-        model="m", messages=messages, tools=[WEATHER], temperature=0, max_tokens=100,
+        model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=100,
         tool_choice="required")
     calls = r.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather"] * len(calls)
@@ -579,7 +580,7 @@ def test_parallel_calls_come_with_their_own_ids(client):
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client):
-    request = dict(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+    request = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                    parallel_tool_calls=False, temperature=0, max_tokens=100)
     whole = client.chat.completions.create(**request).choices[0]
     assembled: dict[int, dict] = {}
@@ -610,7 +611,7 @@ def test_auto_calls_when_the_history_shows_how_and_answers_when_not_asked(client
     does after two earlier calls in the history; asked to say hello, it answers in text."""
     history = _earlier_call(1, "London") + _earlier_call(2, "Rome")
     calls = client.chat.completions.create(
-        model="m", tools=[WEATHER], temperature=0, max_tokens=60,
+        model=MODEL, tools=[WEATHER], temperature=0, max_tokens=60,
         messages=history + [{"role": "user", "content": "Weather in Paris?"}])
     (choice,) = calls.choices
     assert choice.finish_reason == "tool_calls", choice.message.content
@@ -618,7 +619,7 @@ def test_auto_calls_when_the_history_shows_how_and_answers_when_not_asked(client
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] == "Paris"  # unconstrained: as it wrote
     plain = client.chat.completions.create(
-        model="m", tools=[WEATHER], temperature=0, max_tokens=40,
+        model=MODEL, tools=[WEATHER], temperature=0, max_tokens=40,
         messages=[{"role": "user", "content": "Say hello to me."}])
     (choice,) = plain.choices
     assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
@@ -627,7 +628,7 @@ def test_auto_calls_when_the_history_shows_how_and_answers_when_not_asked(client
 
 def test_a_tool_result_in_the_history_round_trips(client):
     first = client.chat.completions.create(
-        model="m", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=100,
+        model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=100,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         parallel_tool_calls=False).choices[0]
     assert first.message.tool_calls, first
@@ -635,7 +636,7 @@ def test_a_tool_result_in_the_history_round_trips(client):
     history = ASK + [first.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": first.tool_calls[0].id,
                       "content": '{"temperature": 21, "sky": "clear"}'}]
-    reply = client.chat.completions.create(model="m", messages=history, tools=[WEATHER],
+    reply = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
                                            tool_choice="none", temperature=0, max_tokens=16)
     (choice,) = reply.choices
     assert choice.message.content and not choice.message.tool_calls

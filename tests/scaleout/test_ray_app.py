@@ -16,6 +16,7 @@ from server_process import ServerProcess, listening_process
 
 from cllm.scaleout.environment import processes_carrying
 
+MODEL = "smollm2-135m-instruct"  # the served model's name: another is a 404
 KEY = "scale-out-test-key"  # the replicas check it; the front's /metrics too
 MARK = "CLLMTEST_RAY_MARK"  # an environment variable every process of this test's Ray inherits
 HTTP_TIMEOUT = 120
@@ -68,9 +69,9 @@ def chat(conversation: list[dict], **extra) -> dict:
 
 def test_the_openai_sdk_works_through_ray_whole_and_streamed(client):
     messages = [{"role": "user", "content": "Say hello."}]
-    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
     assert whole.choices[0].message.content and whole.usage.completion_tokens == 5
-    chunks = list(client.completions.create(model="m", prompt="Once upon a time", max_tokens=5,
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 5
