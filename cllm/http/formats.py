@@ -167,12 +167,16 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
-    """`tool_calls`: replies are parsed for tool calls (the request offered tools)."""
+    """`tool_calls`: replies are parsed for tool calls (the request offered tools); `functions`:
+    the request offered them as the deprecated functions, and a reply's call is its
+    `function_call`."""
     chat = True
 
-    def __init__(self, *args, tool_calls: bool = False, **kwargs) -> None:
+    def __init__(self, *args, tool_calls: bool = False, functions: bool = False,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tool_calls = tool_calls
+        self.functions = functions
         self._parsers: defaultdict[int, CallParser] = defaultdict(CallParser)  # streamed
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
@@ -204,12 +208,13 @@ class ChatFormat(Format):
                              logprobs=self._logprobs(delta.logprobs or [])))
             if ids:
                 out[-1]["choices"][0]["token_ids"] = delta.token_ids
-        if calls:
+        if calls and (not self.functions or calls[0]["index"] == 0):
             out.append(chunk(role=False, text=None, finish_reason=None, logprobs=None,
-                             tool_calls=calls))
+                             **self._calls(calls)))
         if delta.finish_reason is not None:
             out.append(chunk(role=False, text=None, logprobs=None,
-                             finish_reason=_reason(delta.finish_reason, made_calls)))
+                             finish_reason=_reason(delta.finish_reason, made_calls,
+                                                   self.functions)))
         return out
 
     def response(self, choices: list[Choice]) -> dict:
@@ -222,15 +227,24 @@ class ChatFormat(Format):
                 out["token_ids"] = choice.token_ids
         return body
 
+    def _calls(self, calls: list[dict]) -> dict:
+        """A chunk's calls: its tool_calls, or the reply's first call as its function_call."""
+        return {"function_call": calls[0]["function"]} if self.functions else {
+            "tool_calls": calls}
+
     def _choice(self, index: int, choice: Choice) -> dict:
         text, calls = split_reply(choice.text) if self.tool_calls else (choice.text, [])
-        return responses.chat_choice(index, text, _reason(choice.finish_reason, bool(calls)),
-                                     self._logprobs(choice.logprobs), calls)
+        reason = _reason(choice.finish_reason, bool(calls), self.functions)
+        return responses.chat_choice(index, text, reason, self._logprobs(choice.logprobs),
+                                     calls, self.functions)
 
 
-def _reason(finish_reason: str | None, made_calls: bool) -> str | None:
-    """A reply that called tools and ended by itself ends with "tool_calls", as OpenAI's."""
-    return "tool_calls" if made_calls and finish_reason == FINISH_STOP else finish_reason
+def _reason(finish_reason: str | None, made_calls: bool, functions: bool) -> str | None:
+    """A reply that called tools and ended by itself ends with "tool_calls", as OpenAI's, or
+    "function_call" where it offered them as the deprecated functions."""
+    if made_calls and finish_reason == FINISH_STOP:
+        return "function_call" if functions else "tool_calls"
+    return finish_reason
 
 
 class GenerateFormat(Format):

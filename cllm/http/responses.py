@@ -84,12 +84,15 @@ def chat_logprobs(entries: list[tuple[Token, float, list[tuple[Token, float]]]])
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-                tool_calls: list[dict] | None = None) -> dict:
-    """A reply; one that called tools has their `tool_calls`, and null content if it said
-    nothing besides."""
+                tool_calls: list[dict] | None = None, functions: bool = False) -> dict:
+    """A reply; one that called tools has their `tool_calls` (the first call's `function_call`
+    when the request offered the deprecated `functions`, which made one call a reply), and
+    null content if it said nothing besides."""
     message = {"role": "assistant", "content": text}
     if tool_calls:
-        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        calls = ({"function_call": tool_calls[0]["function"]} if functions
+                 else {"tool_calls": tool_calls})
+        message = {"role": "assistant", "content": text or None, **calls}
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
@@ -102,15 +105,17 @@ def chat_response(request_id: str, model: str, created: int, choices: list[dict]
 
 def chat_chunk(request_id: str, model: str, created: int, index: int, *, role: bool,
                text: str | None, finish_reason: str | None, logprobs: dict | None,
-               tool_calls: list[dict] | None = None) -> dict:
+               tool_calls: list[dict] | None = None, function_call: dict | None = None) -> dict:
     """A streamed piece of choice `index`: the first carries the role, the last the
     finish_reason with an empty delta. Each tool call comes whole, with its "index" among the
-    choice's calls."""
+    choice's calls; so does a deprecated `function_call`."""
     delta: dict = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
     if tool_calls:
         delta["tool_calls"] = tool_calls
+    if function_call:
+        delta["function_call"] = function_call
     return {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]}

@@ -57,6 +57,7 @@ class ChatRequest:
     return_token_ids: bool = False
     constraint: Constraint | None = None
     tools: ToolSpec | None = None
+    functions: bool = False  # tools came as the deprecated functions: the reply's calls as well
 
 
 @dataclass(slots=True)
@@ -171,6 +172,17 @@ def read_count(body: dict, name: str, lo: int, hi: int, default: int | None) -> 
     return value
 
 
+def read_max_tokens(body: dict, name: str, limit: int, default: int | None) -> int | None:
+    """A bound on the reply's tokens, at least 1. One past `limit`, what a sequence's context
+    holds, is clamped to it, as llama-server does: clients send a fixed bound (Anthropic's
+    4,096) whatever the context, and the reply ends with finish reason "length" where the
+    context fills. Only a prompt that leaves no room is refused (PromptTooLongError)."""
+    value = read_field(body, name, "an integer", default)
+    if value is not None and value < 1:
+        raise _invalid(name, f"{name} must be at least 1, got {value}")
+    return value if value is None else min(value, limit)
+
+
 def _stop(value: object, field: str) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -246,8 +258,10 @@ NOT_IMPLEMENTED = {"logit_bias": ({},),
 _NOT_IMPLEMENTED_IN_COMPLETIONS = {**NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",),
                                    "echo": (False,)}
 # vLLM's chat switches: a reply always starts a new assistant turn and holds only the reply.
+# OpenAI's audio replies and web search: a reply is text, from the model alone.
 _NOT_IMPLEMENTED_IN_CHAT = {**NOT_IMPLEMENTED, "echo": (False,), "add_generation_prompt": (True,),
-                            "continue_final_message": (False,), "chat_template_kwargs": ({},)}
+                            "continue_final_message": (False,), "chat_template_kwargs": ({},),
+                            "modalities": (["text"],), "audio": (), "web_search_options": ()}
 
 
 def refuse_unimplemented(body: dict, fields: dict = NOT_IMPLEMENTED) -> None:
@@ -328,6 +342,42 @@ def _tool(i: int, value: object) -> Tool:
     return Tool(function["name"], description, parameters)
 
 
+# OpenAI's deprecated function calling: each field and the one it became.
+_LEGACY_FIELDS = {"functions": "tools", "function_call": "tool_choice"}
+
+
+def uses_functions(body: dict) -> bool:
+    """Whether a chat request calls tools the deprecated way, its reply then in that shape."""
+    return any(body.get(name) is not None for name in _LEGACY_FIELDS)
+
+
+def _functions_spec(body: dict) -> ToolSpec | None:
+    """functions and function_call, read as the tools and tool_choice they became, one call a
+    reply as they made; errors name the fields as they were sent."""
+    for field in _LEGACY_FIELDS.values():
+        if body.get(field) is not None:
+            raise _invalid(field, f"{field} does not go with functions or function_call, its "
+                           "older form")
+    functions, call = body.get("functions"), body.get("function_call")
+    if functions is not None and not isinstance(functions, list):
+        raise _invalid("functions", "functions must be an array")
+    if not (call in (None, "auto", "none")
+            or isinstance(call, dict) and isinstance(call.get("name"), str)):
+        raise _invalid("function_call", 'function_call must be "auto", "none" or {"name": ...}')
+    as_tools = {"tools": [{"type": "function", "function": f} for f in functions or ()],
+                "tool_choice": {"type": "function", "function": call}
+                if isinstance(call, dict) else call,
+                "parallel_tool_calls": False}
+    try:
+        return _tool_spec(as_tools)
+    except APIError as e:
+        message = re.sub(r"tools\[(\d+)\]\.function", r"functions[\1]", e.message)
+        for old, new in _LEGACY_FIELDS.items():
+            message = message.replace(new, old)
+        old_name = {new: old for old, new in _LEGACY_FIELDS.items()}[e.param]
+        raise _invalid(old_name, message) from None
+
+
 def _tool_spec(body: dict) -> ToolSpec | None:
     """tools, tool_choice and parallel_tool_calls; None when no tool is offered."""
     tools = body.get("tools")
@@ -377,8 +427,8 @@ def read_prompt(value: object) -> str | list[int]:
 def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
     prompt = read_prompt(body.get("prompt"))
     refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_COMPLETIONS)
-    max_tokens = read_count(body, "max_tokens", 1, max_tokens_limit,
-                        min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
+    max_tokens = read_max_tokens(body, "max_tokens", max_tokens_limit,
+                                 min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
     logprobs = read_count(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
     stream, include_usage = _stream(body)
     return CompletionRequest(
@@ -416,13 +466,18 @@ def read_messages(value: object) -> list[dict]:
         if not isinstance(message, dict):
             raise _invalid("messages", f"{where} must be an object")
         role = message.get("role")
+        if role == "function":  # the deprecated form of a tool's result
+            role = "tool"
         if not isinstance(role, str) or role not in ROLES:
             raise _invalid("messages", f"{where}.role must be one of {', '.join(ROLES)}")
         content = _content(where, role, message.get("content"))
         # OpenAI's "developer" is its newer name for "system", which chat templates know.
         kept = {"role": "system" if role == "developer" else role, "content": content}
-        if role == "assistant" and message.get("tool_calls"):
-            kept["tool_calls"] = _tool_calls(where, message["tool_calls"])
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if role == "assistant" and not calls and message.get("function_call") is not None:
+            calls = [{"type": "function", "function": message["function_call"]}]  # deprecated
+        if calls:
+            kept["tool_calls"] = _tool_calls(where, calls)
         if role == "tool" and isinstance(message.get("tool_call_id"), str):
             kept["tool_call_id"] = message["tool_call_id"]
         messages.append(kept)
@@ -447,13 +502,15 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     context is full: max_tokens_limit."""
     messages = read_messages(body.get("messages"))
     refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_CHAT)
-    tools, constraint = _tool_spec(body), read_constraint(body)
+    functions = uses_functions(body)
+    tools = _functions_spec(body) if functions else _tool_spec(body)
+    constraint = read_constraint(body)
     if tools is not None and tools.choice in ("required", "function") and constraint:
         raise _invalid("tool_choice", f"tool_choice {tools.choice!r} constrains the reply "
                        "already: it does not go with response_format, json_schema or grammar")
-    max_tokens = read_count(body, "max_completion_tokens", 1, max_tokens_limit, None)
+    max_tokens = read_max_tokens(body, "max_completion_tokens", max_tokens_limit, None)
     if max_tokens is None:
-        max_tokens = read_count(body, "max_tokens", 1, max_tokens_limit, max_tokens_limit)
+        max_tokens = read_max_tokens(body, "max_tokens", max_tokens_limit, max_tokens_limit)
     want_logprobs = read_field(body, "logprobs", "a boolean", False)
     top = read_count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if top and not want_logprobs:
@@ -464,7 +521,7 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
         n=read_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
         sampling=read_sampling(body, max_tokens, top if want_logprobs else None),
         cache_prompt=read_cache_prompt(body), return_token_ids=_return_token_ids(body),
-        constraint=constraint, tools=tools)
+        constraint=constraint, tools=tools, functions=functions)
 
 
 def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
@@ -475,8 +532,8 @@ def parse_generate(body: dict, *, max_tokens_limit: int) -> GenerateRequest:
     prompt = read_field(body, "prompt", "a string")
     if not prompt:
         raise _invalid("prompt", "prompt must be a non-empty string")
-    max_tokens = read_count(body, "max_tokens", 1, max_tokens_limit,
-                        min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
+    max_tokens = read_max_tokens(body, "max_tokens", max_tokens_limit,
+                                 min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
     return GenerateRequest(prompt=prompt, stream=read_field(body, "stream", "a boolean", False),
                            sampling=read_sampling(body, max_tokens, None),
                            cache_prompt=read_cache_prompt(body), constraint=read_constraint(body))

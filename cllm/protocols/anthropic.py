@@ -13,7 +13,7 @@ from cllm.engine.engine import Delta
 from cllm.engine.sequence import FINISH_LENGTH
 from cllm.errors import APIError
 from cllm.http import schemas
-from cllm.http.common import AppState, chat_prompt, new_format, read_json, respond
+from cllm.http.common import AppState, chat_prompt, constrained, new_format, read_json, respond
 from cllm.http.formats import Choice, TypedEventsFormat, matched_stop
 from cllm.http.responses import anthropic_error
 
@@ -23,11 +23,13 @@ class MessagesRequest:
     messages: list[dict]  # chat messages, the system prompt first if any
     stream: bool
     sampling: SamplingParams
+    constraint: schemas.Constraint | None = None  # structured output's JSON Schema
 
 
 def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
     """messages (user and assistant turns, text content), system, max_tokens (required),
-    temperature, top_p, top_k, stop_sequences, stream."""
+    temperature, top_p, top_k, stop_sequences, stream, and structured output
+    (output_config.format)."""
     if body.get("tools"):
         raise APIError(400, "tools are not supported", param="tools")
     if isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "enabled":
@@ -43,7 +45,7 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
     if system is not None:
         turns = [{"role": "system", "content": system}, *turns]
     messages = schemas.read_messages(turns)  # text blocks are chat's text parts
-    max_tokens = schemas.read_count(body, "max_tokens", 1, max_tokens_limit, None)
+    max_tokens = schemas.read_max_tokens(body, "max_tokens", max_tokens_limit, None)
     if max_tokens is None:
         raise APIError(400, "max_tokens is required", param="max_tokens")
     stops = body.get("stop_sequences")
@@ -56,7 +58,29 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
               "priority": body.get("priority")}
     sampling = schemas.read_sampling(fields, max_tokens, None, stop_field="stop_sequences")
     stream = schemas.read_field(body, "stream", "a boolean", False)
-    return MessagesRequest(messages, stream, sampling)
+    return MessagesRequest(messages, stream, sampling, _output_format(body))
+
+
+def _output_format(body: dict) -> schemas.Constraint | None:
+    """Structured output, {"type": "json_schema", "schema": {...}}, constrained as OpenAI's
+    response_format is: output_config.format (what messages.parse sends), or output_format,
+    the structured-outputs beta's field that the SDK's beta client still sends. The rest of
+    output_config (effort) is a hint to the model."""
+    config = schemas.read_field(body, "output_config", "an object", {})
+    given = [(param, value) for param, value in (("output_config.format", config.get("format")),
+                                                 ("output_format", body.get("output_format")))
+             if value is not None]
+    if len(given) > 1:
+        raise APIError(400, "output_config.format and output_format: give only one",
+                       param="output_format")
+    if not given:
+        return None
+    param, value = given[0]
+    if not (isinstance(value, dict) and value.get("type") == "json_schema"
+            and isinstance(value.get("schema"), dict)):
+        raise APIError(400, f'{param} must be {{"type": "json_schema", "schema": {{...}}}}',
+                       param=param)
+    return schemas.Constraint("json_schema", value["schema"], param)
 
 
 class MessagesFormat(TypedEventsFormat):
@@ -121,15 +145,18 @@ class MessagesFormat(TypedEventsFormat):
             return "max_tokens", None
         if choice.token_ids and self.is_eog(choice.token_ids[-1]):
             return "end_turn", None
-        return "stop_sequence", matched_stop(self.detokenize(choice.token_ids), self.stops)
+        sequence = matched_stop(self.detokenize(choice.token_ids), self.stops)
+        # Without one, a structured output's grammar ended the message: its natural end.
+        return ("stop_sequence", sequence) if sequence else ("end_turn", None)
 
 
 async def create_message(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.engine_for(body)
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = await chat_prompt(state, engine, req.messages)
-    fmt = new_format(MessagesFormat, request, "msg", req.sampling, n_prompt=len(prompt),
-                     stops=req.sampling.stop, is_eog=engine.model.is_eog,
+    fmt = new_format(MessagesFormat, request, "msg", sampling, n_prompt=len(prompt),
+                     stops=sampling.stop, is_eog=engine.model.is_eog,
                      detokenize=engine.model.detokenize)
-    return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False, True)
+    return await respond(request, fmt, prompt, sampling, 1, req.stream, False, True)

@@ -50,11 +50,10 @@ def parse_completion(body: dict, *, max_tokens_limit: int) -> NativeCompletionRe
     n_predict = schemas.read_field(body, "n_predict", "an integer")
     if n_predict is None:  # llama-server reads OpenAI's name too
         n_predict = schemas.read_field(body, "max_tokens", "an integer", -1)
-    if n_predict < 0:
-        n_predict = max_tokens_limit
-    elif not 1 <= n_predict <= max_tokens_limit:
-        raise APIError(400, f"n_predict must be -1 or between 1 and {max_tokens_limit}, "
-                       f"got {n_predict}", param="n_predict")
+    if n_predict == 0:
+        raise APIError(400, "n_predict must be -1 or at least 1, got 0", param="n_predict")
+    # -1: until the context is full, as is any bound past it (schemas.read_max_tokens)
+    n_predict = max_tokens_limit if n_predict < 0 else min(n_predict, max_tokens_limit)
     given = {k: v for k, v in body.items() if v is not None}
     return NativeCompletionRequest(
         prompt=prompt, stream=schemas.read_field(body, "stream", "a boolean", False),

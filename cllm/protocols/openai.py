@@ -48,6 +48,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
                                               state.renderer.template.takes_tools)
     prompt = await chat_prompt(state, engine, messages, offered)
     fmt = new_format(ChatFormat, request, "chatcmpl", sampling, tool_calls=calls,
+                     functions=req.functions,
                      prompt_token_ids=prompt if req.return_token_ids else None)
     return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
                          req.cache_prompt)

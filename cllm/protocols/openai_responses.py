@@ -39,17 +39,25 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> ResponsesRequest:
     if body.get("tools"):
         raise APIError(400, "tools are not supported on /v1/responses; use /v1/chat/completions",
                        param="tools")
-    text = body.get("text")
-    if text is not None and text != {"format": {"type": "text"}}:
-        raise APIError(400, "only text output is supported", param="text")
+    _text_format(body)
     instructions = schemas.read_field(body, "instructions", "a string")
     messages = ([{"role": "system", "content": instructions}] if instructions else [])
     messages += _input(body.get("input"))
-    max_tokens = schemas.read_count(body, "max_output_tokens", 1, max_tokens_limit,
-                                    max_tokens_limit)
+    max_tokens = schemas.read_max_tokens(body, "max_output_tokens", max_tokens_limit,
+                                         max_tokens_limit)
     return ResponsesRequest(messages, instructions,
                             stream=schemas.read_field(body, "stream", "a boolean", False),
                             sampling=schemas.read_sampling(body, max_tokens, None))
+
+
+def _text_format(body: dict) -> None:
+    """Only text output: text.format.type is "text" or absent. Its other options (verbosity)
+    are hints to the model, which a model without them meets as it writes anyway."""
+    text = schemas.read_field(body, "text", "an object", {})
+    form = text.get("format")
+    if form is not None and (not isinstance(form, dict) or form.get("type") != "text"):
+        raise APIError(400, "only text output is supported: text.format.type must be text",
+                       param="text")
 
 
 def error_event(error: APIError, sequence_number: int) -> dict:

@@ -163,7 +163,7 @@ def test_completion_bad_prompts(prompt):
 
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", "10"), ("max_tokens", 10.0), ("max_tokens", True), ("max_tokens", 0),
-    ("max_tokens", -5), ("max_tokens", 1001), ("max_tokens", 10**30),
+    ("max_tokens", -5),
     ("n", 0), ("n", -1), ("n", 5), ("n", "2"), ("n", False), ("n", 1.5),
     ("temperature", True), ("temperature", "0.7"), ("temperature", -0.1), ("temperature", 1e308),
     ("temperature", 10**30), ("temperature", 10**400), ("temperature", float("inf")),
@@ -276,6 +276,60 @@ def test_malformed_tools_are_400s_naming_the_field(fields, param):
     rejects(lambda: chat(**fields), param)
 
 
+FUNCTION = {"name": "f", "description": "d", "parameters": {"type": "object"}}
+
+
+def test_legacy_functions_are_tools_one_call_at_a_time():
+    req = chat(functions=[FUNCTION, {"name": "g"}], function_call={"name": "g"})
+    assert req.functions is True and chat().functions is False
+    spec = req.tools
+    assert [t.name for t in spec.tools] == ["f", "g"] and spec.tools[0].description == "d"
+    assert (spec.choice, spec.name, spec.parallel) == ("function", "g", False)
+    assert chat(functions=[FUNCTION]).tools.choice == "auto"
+    assert chat(functions=[FUNCTION], function_call="none").tools.choice == "none"
+    as_tool = {"type": "function", "function": FUNCTION}
+    assert chat(functions=[FUNCTION]).tools.tools == chat(tools=[as_tool]).tools.tools
+
+
+def test_legacy_function_turns_in_the_history_are_tool_turns():
+    call = {"name": "f", "arguments": '{"x": 1}'}
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": None, "function_call": call},
+                {"role": "function", "name": "f", "content": "42"}]
+    parsed = parse_chat({"messages": messages}, **LIMITS).messages
+    assert parsed[1] == {"role": "assistant", "content": "",
+                         "tool_calls": [{"type": "function", "function": call}]}
+    assert parsed[2] == {"role": "tool", "content": "42"}
+    bad = [*messages[:1], {"role": "assistant", "content": None, "function_call": "f"}]
+    rejects(lambda: parse_chat({"messages": bad}, **LIMITS), "messages")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"functions": FUNCTION}, "functions"),
+    ({"functions": [{"name": "no spaces"}]}, "functions"),
+    ({"functions": [FUNCTION, FUNCTION]}, "functions"),
+    ({"functions": [FUNCTION], "function_call": "required"}, "function_call"),
+    ({"functions": [FUNCTION], "function_call": {"name": "h"}}, "function_call"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"functions": [FUNCTION], "tools": [TOOL]}, "tools"),
+    ({"functions": [FUNCTION], "tool_choice": "auto"}, "tool_choice"),
+])
+def test_malformed_legacy_functions_are_400s_naming_the_field(fields, param):
+    rejects(lambda: chat(**fields), param)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("modalities", ["text", "audio"]), ("modalities", ["audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("web_search_options", {}),
+])
+def test_audio_and_web_search_are_refused_by_name(field, value):
+    rejects(lambda: chat(**{field: value}), field)
+
+
+def test_text_modality_asks_for_nothing():
+    assert chat(modalities=["text"]) == chat()
+
+
 def test_tool_calls_and_results_in_the_history_are_kept():
     call = {"id": "call_1", "type": "function",
             "function": {"name": "f", "arguments": '{"x": 1}'}}
@@ -348,7 +402,17 @@ def test_chat_max_completion_tokens_wins_over_max_tokens():
     assert chat(max_tokens=5).sampling.max_tokens == 5
     assert chat(max_completion_tokens=7, max_tokens=5).sampling.max_tokens == 7
     rejects(lambda: chat(max_completion_tokens=0), "max_completion_tokens")
-    rejects(lambda: chat(max_completion_tokens=1001), "max_completion_tokens")
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_past_the_context_is_clamped_to_it(field):
+    """Clients send a fixed bound (Anthropic's 4,096) whatever the context: the reply ends with
+    finish reason "length" where the context fills, as llama-server's does."""
+    for value in (1001, 4096, 10**30):
+        assert chat(**{field: value}).sampling.max_tokens == 1000
+    assert completion(max_tokens=4096).sampling.max_tokens == 1000
+    body = {"prompt": "x", "max_tokens": 4096}
+    assert parse_generate(body, max_tokens_limit=1000).sampling.max_tokens == 1000
 
 
 @pytest.mark.parametrize("fields, expected", [
@@ -443,7 +507,6 @@ def test_generate_fields():
 @pytest.mark.parametrize("body, param", [
     ({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 1001}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_k": True}, "top_k"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import pydantic
 import pytest
 from server_process import ServerProcess
 
@@ -33,7 +34,7 @@ def test_system_turns_and_sampling():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"max_tokens": None}, "max_tokens"), ({"max_tokens": 101}, "max_tokens"),
+    ({"max_tokens": None}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "system", "content": "x"}]},
                                      "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages"),
@@ -41,6 +42,12 @@ def test_system_turns_and_sampling():
     ({"stop_sequences": ["s"] * 17}, "stop_sequences"),
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"output_config": "json"}, "output_config"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+    ({"output_format": {"type": "json_schema", "schema": 5}}, "output_format"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}},
+      "output_format": {"type": "json_schema", "schema": {}}}, "output_format"),
 ])
 def test_rejections_name_the_field(fields, param):
     with pytest.raises(APIError) as info:
@@ -48,11 +55,28 @@ def test_rejections_name_the_field(fields, param):
     assert info.value.status == 400 and info.value.param == param
 
 
+def test_max_tokens_past_the_context_is_clamped_to_it():
+    assert parse(max_tokens=4096).sampling.max_tokens == 100
+
+
+def test_structured_output_is_a_json_schema_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    constraint = parse(output_config={"format": {"type": "json_schema", "schema": schema},
+                                      "effort": "low"}).constraint
+    assert (constraint.kind, constraint.value, constraint.param) == (
+        "json_schema", schema, "output_config.format")
+    # The structured-outputs beta's field, which the SDK's beta client still sends.
+    beta = parse(output_format={"type": "json_schema", "schema": schema}).constraint
+    assert (beta.value, beta.param) == (schema, "output_format")
+    assert parse().constraint is None and parse(output_config={"effort": "high"}).constraint is None
+
+
 # ---- the server, through the SDK ----
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--parallel", "2", "--api-key", "secret") as srv:
+    # A slot of 2,048 tokens, a CPU server's default.
+    with ServerProcess("--parallel", "2", "--ctx-size", "4096", "--api-key", "secret") as srv:
         yield srv
 
 
@@ -111,6 +135,29 @@ def test_stop_reasons(client):
                                      extra_body=GREEDY, stop_sequences=["zzz", word])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
     assert word not in stopped.content[0].text
+
+
+def test_max_tokens_past_a_slots_context_is_served(client):
+    m = client.messages.create(model=MODEL, max_tokens=4096, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Say hi."}])
+    assert m.stop_reason == "end_turn" and m.content[0].text
+
+
+class Ticket(pydantic.BaseModel):
+    title: str
+    urgent: bool
+
+
+def test_structured_output_through_messages_parse(client):
+    ask = [{"role": "user", "content": "File a ticket: the printer is on fire."}]
+    m = client.messages.parse(model=MODEL, max_tokens=200, messages=ask, output_format=Ticket,
+                              extra_body=GREEDY)
+    assert isinstance(m.parsed_output, Ticket), m.content
+    assert m.stop_reason == "end_turn"
+    with client.messages.stream(model=MODEL, max_tokens=200, messages=ask,
+                                output_format=Ticket, extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.parsed_output == m.parsed_output
 
 
 def test_a_system_prompt_reaches_the_model(client):

@@ -31,6 +31,11 @@ def test_max_tokens_is_read_when_n_predict_is_absent():
     assert parse(n_predict=6, max_tokens=5).sampling.max_tokens == 6
 
 
+def test_n_predict_past_the_context_is_clamped_to_it():
+    assert parse(n_predict=4096).sampling.max_tokens == 1000
+    assert parse(max_tokens=10**30).sampling.max_tokens == 1000
+
+
 def test_samplers_cllm_lacks_are_accepted_at_the_values_that_leave_them_off():
     req = parse(mirostat=0, typical_p=1.0, dynatemp_range=0.0, xtc_probability=0,
                 dry_multiplier=0.0)
@@ -42,7 +47,7 @@ def test_token_id_prompts():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n_predict": 0}, "n_predict"), ({"n_predict": 1001}, "n_predict"),
+    ({"n_predict": 0}, "n_predict"),
     ({"n_predict": "5"}, "n_predict"), ({"prompt": ""}, "prompt"), ({"prompt": None}, "prompt"),
     ({"temperature": -1}, "temperature"), ({"n_probs": 3}, "n_probs"),
     ({"return_tokens": "yes"}, "return_tokens"),

@@ -45,13 +45,24 @@ def test_message_items_with_text_parts():
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "json_object"}}}, "text"), ({"text": "plain"}, "text"),
+    ({"text": {"format": "text"}}, "text"),
     ({"max_output_tokens": 0}, "max_output_tokens"), ({"temperature": "hot"}, "temperature"),
 ])
 def test_rejections_name_the_field(fields, param):
     with pytest.raises(APIError) as info:
         parse(**fields)
     assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("text", [{"format": {"type": "text"}, "verbosity": "low"},
+                                  {"verbosity": "high"}, {}])
+def test_text_options_other_than_the_format_are_accepted(text):
+    assert parse(text=text) == parse()
+
+
+def test_max_output_tokens_past_the_context_is_clamped_to_it():
+    assert parse(max_output_tokens=4096).sampling.max_tokens == 100
 
 
 # ---- the server, through the SDK ----
