@@ -1,6 +1,8 @@
 """cllm.llama._core with the real models: loading, tokens, the batch step, sampling, KV
 bookkeeping."""
 import math
+import random
+import re
 import threading
 import time
 from array import array
@@ -70,6 +72,40 @@ def test_tokenize_round_trip(model):
     assert model.detokenize(tokens) == text
     special = model.tokenize("<|im_start|>user", add_special=False, parse_special=True)
     assert len(special) < len(model.tokenize("<|im_start|>user", add_special=False))
+
+
+# Special-token text and its ids as llama.cpp's partition gives them (vendor/patches/
+# llama-vocab-special-partition-linear.patch must keep them): adjacent special tokens, a text
+# starting or ending with one, partial and nested look-alikes.
+SPECIAL_TOKEN_TEXTS = {
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n":
+        [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198],
+    "<|im_end|><|im_end|>a<|endoftext|> b <|im_start|>": [2, 2, 81, 0, 278, 216, 1],
+    "x<|im_start|><|im_end|>  <|endoftext|>\n": [104, 1, 2, 256, 0, 198],
+}
+SPECIAL_IDS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+
+
+@pytest.mark.parametrize("text", SPECIAL_TOKEN_TEXTS)
+def test_special_token_text_keeps_its_ids(model, text):
+    assert model.tokenize(text, add_special=False, parse_special=True) == \
+        SPECIAL_TOKEN_TEXTS[text]
+
+
+def test_special_token_text_is_its_pieces_tokenized_alone(model):
+    """Thousands of special tokens among text and look-alikes ("<|im_end|", "<<|im_end|>>"):
+    the ids are each special token's and each piece between them tokenized on its own."""
+    rng = random.Random(0)
+    pieces = [*SPECIAL_IDS, "a", " b", "\n", "hello world", "  ", "<|im_", "|>", "é",
+              "<|im_end|", "<<|im_end|>>", "\t", "12"]
+    text = "".join(rng.choice(pieces) for _ in range(3000))
+    expected = []
+    for part in re.split("(" + "|".join(map(re.escape, SPECIAL_IDS)) + ")", text):
+        if part in SPECIAL_IDS:
+            expected.append(SPECIAL_IDS[part])
+        elif part:
+            expected += model.tokenize(part, add_special=False)
+    assert model.tokenize(text, add_special=False, parse_special=True) == expected
 
 
 def test_utf8_split_across_tokens_round_trips(model):
