@@ -23,7 +23,14 @@ from cllm.engine import structured
 from cllm.engine.batch import RunRows, StepRows
 from cllm.engine.pending import PendingTokens
 from cllm.engine.scheduler import SAMPLED_NOTHING, QueueFullError, Scheduler, SchedulerOutput
-from cllm.engine.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_SHUTDOWN, FINISH_STOP, Sequence
+from cllm.engine.sequence import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_GRAMMAR,
+    FINISH_SHUTDOWN,
+    FINISH_STOP,
+    Sequence,
+)
 from cllm.engine.steptimer import StepTimer
 from cllm.engine.successor_wait import SuccessorWait
 from cllm.engine.textstream import TextStream
@@ -593,7 +600,7 @@ class Engine:
                 continue
             error = structured.matcher_failure(live.matcher)
             if error is not None:
-                self.scheduler.restate_end(seq, FINISH_ERROR, error)
+                self.scheduler.restate_end(seq, FINISH_GRAMMAR, error)
 
     def _fail(self, out: SchedulerOutput, exc: Exception, outbox: _Outbox) -> None:
         log.error("llama_decode failed for %d sequences: %s", len(out.chunks), exc)

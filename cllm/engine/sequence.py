@@ -21,6 +21,7 @@ FINISH_ABORT = "abort"        # the client went away or asked to cancel
 FINISH_TIMEOUT = "timeout"    # the request deadline passed
 FINISH_ERROR = "error"        # llama.cpp failed on a batch holding this sequence
 FINISH_SHUTDOWN = "shutdown"  # the server stopped before the sequence could finish
+FINISH_GRAMMAR = "grammar"    # the request's grammar failed mid-reply (past the matcher's limits)
 
 
 @dataclass(slots=True, eq=False)

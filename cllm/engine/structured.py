@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
-from cllm.engine.sequence import FINISH_ERROR, FINISH_STOP
+from cllm.engine.sequence import FINISH_GRAMMAR, FINISH_STOP
 
 # Compact JSON with one space after ',' and ':': no free whitespace, which a small model can
 # otherwise fill with newlines until max_tokens.
@@ -244,17 +244,24 @@ def matcher_failure(matcher: llguidance.LLMatcher) -> str | None:
     parser limit, say: it then lets only an end token through), else None."""
     if not matcher.is_error():
         return None
-    return f"the grammar failed: {_first_line(matcher.get_error())}"
+    return _failed(matcher)
 
 
 def grammar_end(matcher: llguidance.LLMatcher, token: int) -> tuple[str, str | None] | None:
     """Feed a sequence's new token to its matcher: (finish reason, error) when the sequence
-    ends there (its grammar is complete, or, a bug, refused the token), else None."""
+    ends there (its grammar is complete, or refused the token: a matcher that had failed
+    lets only an end token through, which it then refuses), else None."""
     if not matcher.consume_token(token):
-        return FINISH_ERROR, f"the grammar refused a token: {_first_line(matcher.get_error())}"
+        return FINISH_GRAMMAR, _failed(matcher)
     if matcher.is_stopped():
         return FINISH_STOP, None
     return None
+
+
+def _failed(matcher: llguidance.LLMatcher) -> str:
+    """A failed matcher's error as its request's: the request brought the grammar, and a
+    grammar fails mid-reply where its parse goes past the matcher's limits."""
+    return f"the request's grammar failed mid-reply: {_first_line(matcher.get_error())}"
 
 
 class RunMatchers:

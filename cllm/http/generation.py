@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from cllm.engine.engine import Delta, RequestStream
 from cllm.engine.sequence import (
     FINISH_ERROR,
+    FINISH_GRAMMAR,
     FINISH_LENGTH,
     FINISH_SHUTDOWN,
     FINISH_STOP,
@@ -22,6 +23,8 @@ _FAILURES = {
     FINISH_TIMEOUT: (408, "timeout", "request_timeout", {}),
     FINISH_SHUTDOWN: (503, "server_error", "shutting_down", {}),
     FINISH_ERROR: (500, "server_error", "decode_failed", {}),
+    # The request's own grammar went past the matcher's limits: the client's to change.
+    FINISH_GRAMMAR: (400, "invalid_request_error", "grammar_failed", {}),
 }
 
 

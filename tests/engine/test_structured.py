@@ -16,7 +16,7 @@ import jsonschema
 import llguidance
 import pytest
 from engine_checks import FaultyContext, assert_idle, run_tokens
-from http_checks import assert_error, metrics, sse_payloads
+from http_checks import assert_error, metrics, post_stream, sse_payloads
 from model_facts import ON_GPU_NOT_BATCH_INVARIANT
 from server_process import ServerProcess
 
@@ -197,7 +197,7 @@ def test_a_grammar_keeps_its_model_alive(model_path):
 def test_a_grammar_that_fails_while_generating_ends_its_request_with_the_error(engine, sampling):
     """A matcher that fails computing a bitmask mid-reply (here past a parser limit of three
     Earley items a step, at the fourth token of YES_NO) lets only end tokens through, or
-    nothing at all where they are banned: the request ends with finish reason "error" naming
+    nothing at all where they are banned: the request ends with finish reason "grammar" naming
     the failure, never as a complete "stop" with its reply cut short, and nothing stays held."""
     source = engine.grammars.gbnf(YES_NO).source
     failing = structured.Grammar(source, llguidance.LLMatcher(
@@ -208,8 +208,8 @@ def test_a_grammar_that_fails_while_generating_ends_its_request_with_the_error(e
         text, _, final = asyncio.run(run_tokens(engine, prompt, grammar=failing, max_tokens=16,
                                                 ignore_eos=ignore_eos, **sampling))
         assert not re.fullmatch(r"The answer is (yes|no)\.", text)  # cut short
-        assert final.finish_reason == "error", (ignore_eos, text, final)
-        assert "Too many items" in final.error
+        assert final.finish_reason == "grammar", (ignore_eos, text, final)
+        assert "grammar failed mid-reply" in final.error and "Too many items" in final.error
         assert "\n" not in final.error  # the failure, not the parser's state after it
     assert_idle(engine)
 
@@ -517,6 +517,32 @@ def test_a_bad_schema_is_a_400_naming_it_and_nothing_is_queued(http, field, valu
     after = metrics(http)
     assert after["cllm_prompt_tokens_total"] == before["cllm_prompt_tokens_total"]
     assert after["cllm_requests_running"] == after["cllm_requests_waiting"] == 0
+
+
+# Its first bitmask is within llguidance's limits, its second (after one token) is not: too many
+# Earley items, from short lexemes that can end almost anywhere.
+LIMITS_PASSED_MIDWAY = 'root ::= ([a-z]* "e" [a-z]{12} " ")*'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_past_the_matchers_limits_mid_reply_is_the_clients_error(http, stream):
+    """The request's grammar is at fault, not the server: a 400 (streamed, an error event of
+    that type), counted as a client's failure in /metrics, with a message that says so."""
+    before = metrics(http)
+    body = {"prompt": chat_prompt("Say something."), "grammar": LIMITS_PASSED_MIDWAY,
+            "max_tokens": 16, "temperature": 0, "stream": stream}
+    if stream:
+        r, raw = post_stream(http, "/v1/completions", body)
+        assert r.status_code == 200
+        error = sse_payloads(raw)[-1]["error"]
+    else:
+        error = assert_error(http.post("/v1/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error" and error["code"] == "grammar_failed"
+    assert "grammar failed mid-reply" in error["message"] and "Too many items" in error["message"]
+    after = metrics(http)
+    failures = lambda m, code: m.get(f'cllm_request_failure_total{{code="{code}"}}', 0)  # noqa: E731
+    assert failures(after, 400) == failures(before, 400) + 1
+    assert failures(after, 500) == failures(before, 500)
 
 
 # ---- tools through the openai SDK ----
