@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from cllm.errors import APIError
 from cllm.http.common import AppState
+from cllm.http.metrics import user_shares
 
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 # The page runs only its own script and talks only to this server.
@@ -36,8 +37,9 @@ async def asset(request: Request, state: AppState) -> Response:
 
 async def status(request: Request, state: AppState) -> Response:
     """The engine's state now; `tokens_generated` counts since start, so a poller gets the
-    rate from two readings."""
+    rate from two readings; `users`: each user's requests running and waiting."""
     engine = state.require_engine()
     return JSONResponse({"model": state.model_name, "running": engine.num_running,
                          "waiting": engine.num_waiting, "kv_usage": engine.kv_usage,
-                         "tokens_generated": engine.tokens_generated})
+                         "tokens_generated": engine.tokens_generated,
+                         "users": user_shares(engine, state.metrics.named_users)})

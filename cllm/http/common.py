@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -45,7 +46,7 @@ class AppState:
         self.model_name = model_name
         self.model_root = model_name  # the repository id once the model is loaded, if known
         self.model_names = frozenset({model_name})  # all it answers to (model_card.model_names)
-        self.metrics = Metrics()
+        self.metrics = Metrics(frozenset(k.name for k in config.keys() if k.name))
         self.engine: Engine | None = None
         self.renderer: TemplateRenderer | None = None
         self.embeddings: Embeddings | None = None
@@ -116,11 +117,11 @@ class AppState:
             return Token(token_name(raw), raw)
         return Token(model.token_to_piece(token, True).decode("utf-8", "replace"), None)
 
-    def sequence_ended(self, delta: Delta) -> None:
+    def sequence_ended(self, sampling: SamplingParams, delta: Delta) -> None:
         """Every sequence's final delta, whether or not its client is still reading. An abort is
         the client's doing (it left), not a failure of the server."""
         error = failure(delta) if delta.finish_reason != FINISH_ABORT else None
-        self.metrics.record_sequence(delta)
+        self.metrics.record_sequence(sampling, delta)
         self.metrics.record_outcome(delta.finish_reason, error.status if error else None)
         if self.config.log_requests:
             t = delta.timings or {}
@@ -253,7 +254,8 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
     try:
         for i in range(n):
             streams.append(engine.submit(prompt, sampling.for_choice(i), f"{fmt.request_id}-{i}",
-                                         on_end=state.sequence_ended, cache_prompt=cache_prompt,
+                                         on_end=functools.partial(state.sequence_ended, sampling),
+                                         cache_prompt=cache_prompt,
                                          stream_interval=interval))
     except BaseException as exc:  # nothing submitted may decode on with nobody reading it
         for s in streams:

@@ -1,13 +1,16 @@
 """Prometheus metrics: one registry per app, gauges read from the engine when scraped."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections import Counter as Tally
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from cllm.config import SamplingParams
 from cllm.engine.embedder import Embeddings
 from cllm.engine.engine import Delta, Engine
 from cllm.engine.steptimer import RUN_PARTS, StepTimer
@@ -17,9 +20,44 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+# Labels stay few whatever clients send: priorities beyond ±9 share the end labels, and users
+# other than the key file's names fall in one of 16 hashed buckets.
+_PRIORITY_LABEL_BOUND = 9
+_USER_BUCKETS = 16
+
+
+def priority_label(priority: int) -> str:
+    return str(max(-_PRIORITY_LABEL_BOUND, min(_PRIORITY_LABEL_BOUND, priority)))
+
+
+def user_label(user: str, named: frozenset[str]) -> str:
+    """A key file's user by name; no user as "none"; any other (a request's own `user`
+    field) as one of a few buckets of its hash, so that no label holds what a client wrote."""
+    if user in named:
+        return user
+    if not user:
+        return "none"
+    bucket = int.from_bytes(hashlib.sha256(user.encode()).digest()[:4], "big") % _USER_BUCKETS
+    return f"bucket-{bucket:x}"
+
+
+def _by_user(sequences: Iterable, named: frozenset[str]) -> Tally:
+    return Tally(user_label(seq.sampling.user, named) for seq in sequences)
+
+
+def user_shares(engine: Engine, named: frozenset[str]) -> dict[str, dict[str, int]]:
+    """Each user's requests now, running and waiting: what the fair shares give them. The
+    queues are copied first (each copy is one call under the GIL: the engine thread cannot
+    change them halfway)."""
+    running = _by_user(list(engine.scheduler.running), named)
+    waiting = _by_user(list(engine.scheduler.waiting), named)
+    return {user: {"running": running[user], "waiting": waiting[user]}
+            for user in sorted(running.keys() | waiting.keys())}
+
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, named_users: frozenset[str] = frozenset()) -> None:
+        self.named_users = named_users
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("cllm_requests_running", "Sequences holding a seq id", registry=r)
@@ -46,7 +84,13 @@ class Metrics:
         self.failure = Counter("cllm_request_failure", "Failed requests by HTTP status",
                                ["code"], registry=r)
         self.ttft = Histogram("cllm_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              ["priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("cllm_request_queue_time_seconds",
+                                    "Arrival to the first step that scheduled the request",
+                                    ["priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.user_tokens = Counter("cllm_user_tokens",
+                                   "Prompt and generated tokens served, by user", ["user"],
+                                   registry=r)
         self.itl = Histogram("cllm_inter_token_latency_seconds", "Mean gap between tokens",
                              buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to last token",
@@ -61,16 +105,22 @@ class Metrics:
         self.cached_cells.set_function(lambda: engine.cached_cells)
         self.preemptions.set_function(lambda: engine.scheduler.num_preemptions)
         self.registry.register(_EngineSteps(engine.timer))
+        self.registry.register(_UsersWaiting(engine, self.named_users))
 
-    def record_sequence(self, final: Delta) -> None:
-        """Account for one sequence from its last delta."""
+    def record_sequence(self, sampling: SamplingParams, final: Delta) -> None:
+        """Account for one sequence from what it asked for and its last delta."""
+        priority = priority_label(sampling.priority)
+        user = user_label(sampling.user, self.named_users)
+        self.user_tokens.labels(user=user).inc(final.prompt_tokens + final.completion_tokens)
         self.prompt_tokens.inc(final.prompt_tokens)
         self.cache_queries.inc(final.prompt_tokens)
         self.cache_hits.inc(final.cached_tokens)
         self.generation_tokens.inc(final.completion_tokens)
         timings = final.timings or {}
+        if "queued" in timings:
+            self.queue_time.labels(priority=priority).observe(timings["queued"])
         if "ttft" in timings:
-            self.ttft.observe(timings["ttft"])
+            self.ttft.labels(priority=priority).observe(timings["ttft"])
         if "tpot" in timings:
             self.itl.observe(timings["tpot"])
         if "total" in timings:
@@ -123,6 +173,22 @@ class _EngineSteps:
         yield parts
         for key, (name, help_) in ENGINE_STEP_COUNTERS.items():
             yield CounterMetricFamily(name, help_, value=counts[key])
+
+
+class _UsersWaiting:
+    """Requests waiting and running by user, read from the scheduler when scraped."""
+
+    def __init__(self, engine: Engine, named: frozenset[str]) -> None:
+        self.engine, self.named = engine, named
+
+    def collect(self):
+        shares = user_shares(self.engine, self.named)
+        for key, help_ in (("waiting", "Requests waiting for a slot, by user"),
+                           ("running", "Requests holding a slot, by user")):
+            family = GaugeMetricFamily(f"cllm_user_requests_{key}", help_, labels=["user"])
+            for user, counts in shares.items():
+                family.add_metric([user], counts[key])
+            yield family
 
 
 def step_timer_counts(exposition: str, replica: str | None = None) -> dict | None:

@@ -1,6 +1,8 @@
 """The access check's keys (cllm/app/access.py): which entry a request's key matched, and what
 a named key makes of the request (cllm/http/common.for_caller). No model needed."""
 import pytest
+from http_checks import metrics
+from server_process import ServerProcess
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
@@ -45,3 +47,26 @@ def test_a_named_key_sets_the_user_its_weight_and_a_floor_on_the_priority():
     assert (alice.user, alice.user_weight, alice.priority) == ("alice", 2.0, 1)
     assert for_caller(asked, KEYS[2]) is asked  # an unnamed key: the request's own user
     assert for_caller(asked, None) is asked
+
+
+def test_each_named_keys_requests_count_for_its_user_at_its_priority(tmp_path):
+    """With a key file, /metrics counts tokens by the keys' names and times first tokens by
+    the priority a key holds its requests to; /status shows each user's requests."""
+    path = tmp_path / "keys"
+    path.write_text("k-alice name=alice\nk-bob name=bob weight=2 priority=3\n")
+    prompt = "Say something about the sea."
+    with ServerProcess("--api-key-file", str(path), "--parallel", "2") as srv:
+        for key in ("k-alice", "k-bob"):
+            with srv.http_client(api_key=key) as http:
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                       "ignore_eos": True, "user": "spoofed"})
+                assert r.status_code == 200
+                used = r.json()["usage"]["total_tokens"]
+        with srv.http_client(api_key="k-alice") as http:
+            after = metrics(http)
+            assert http.get("/status").json()["users"] == {}  # nothing runs or waits now
+    assert after['cllm_user_tokens_total{user="alice"}'] == used
+    assert after['cllm_user_tokens_total{user="bob"}'] == used
+    assert after['cllm_time_to_first_token_seconds_count{priority="3"}'] == 1
+    assert after['cllm_time_to_first_token_seconds_count{priority="0"}'] == 1
+    assert not any('user="bucket' in name for name in after)  # the field did not count

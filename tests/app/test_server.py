@@ -929,10 +929,14 @@ METRIC_NAMES = [
     "cllm_prompt_tokens_total", "cllm_generation_tokens_total", "cllm_preemptions_total",
     'cllm_request_success_total{finish_reason="length"}',
     'cllm_request_failure_total{code="400"}',
-    *(f"{h}{suffix}" for h in ("cllm_time_to_first_token_seconds",
-                               "cllm_inter_token_latency_seconds",
+    *(f"{h}{suffix}" for h in ("cllm_inter_token_latency_seconds",
                                "cllm_e2e_request_latency_seconds")
       for suffix in ("_count", "_sum", '_bucket{le="+Inf"}')),
+    *(f"{h}{suffix}" for h in ("cllm_time_to_first_token_seconds",
+                               "cllm_request_queue_time_seconds")
+      for suffix in ('_count{priority="0"}', '_sum{priority="0"}',
+                     '_bucket{le="+Inf",priority="0"}')),
+    'cllm_user_tokens_total{user="none"}',
 ]
 
 
@@ -954,9 +958,11 @@ def test_metrics(http):
     assert grew("cllm_prompt_tokens_total") == n_tokens(http, PROMPT)
     assert grew('cllm_request_success_total{finish_reason="length"}') == 1
     assert grew('cllm_request_failure_total{code="400"}') == 1
-    for h in ("cllm_time_to_first_token_seconds", "cllm_inter_token_latency_seconds",
-              "cllm_e2e_request_latency_seconds"):
+    for h in ("cllm_inter_token_latency_seconds", "cllm_e2e_request_latency_seconds"):
         assert grew(h + "_count") == 1
+    for h in ("cllm_time_to_first_token_seconds", "cllm_request_queue_time_seconds"):
+        assert grew(h + '_count{priority="0"}') == 1
+    assert grew('cllm_user_tokens_total{user="none"}') == n_tokens(http, PROMPT) + 5
     assert after["cllm_requests_running"] == 0 and after["cllm_requests_waiting"] == 0
     assert 0 <= after["cllm_kv_cache_usage_ratio"] <= 1
 

@@ -142,6 +142,7 @@ def test_the_page_and_its_files_are_served_without_an_api_key():
             assert r.status_code == 200 and r.headers["content-type"].startswith(kind)
         assert httpx.get(srv.url + "/status").status_code == 401
         status = httpx.get(srv.url + "/status", headers={"Authorization": "Bearer k"}).json()
-        assert set(status) == {"model", "running", "waiting", "kv_usage", "tokens_generated"}
+        assert set(status) == {"model", "running", "waiting", "kv_usage", "tokens_generated",
+                               "users"}
         assert httpx.get(srv.url + "/ui/nope.js", headers={"Authorization": "Bearer k"}
                          ).status_code == 404

@@ -1,9 +1,16 @@
-"""The engine's step timer on /metrics (cllm/http/metrics.py): read back as the benchmark reads it,
+"""/metrics (cllm/http/metrics.py): the step timer read back as the benchmark reads it,
 from one server and from a scale-out front that merged several replicas."""
 from engine_checks import call
 
 from cllm.engine.steptimer import StepTimer
-from cllm.http.metrics import Metrics, _EngineSteps, merge, step_timer_counts
+from cllm.http.metrics import (
+    Metrics,
+    _EngineSteps,
+    merge,
+    priority_label,
+    step_timer_counts,
+    user_label,
+)
 
 
 def served(calls: int, rows: int, forward_steps: int) -> tuple[Metrics, StepTimer]:
@@ -56,3 +63,13 @@ def test_one_replica_of_a_merged_front_reads_as_its_own():
 
 def test_a_server_without_the_counters_has_no_counts():
     assert step_timer_counts(Metrics().render().decode()) is None
+
+
+def test_labels_stay_few_whatever_clients_send():
+    named = frozenset({"alice"})
+    assert user_label("alice", named) == "alice" and user_label("", named) == "none"
+    buckets = {user_label(f"client-{i}", named) for i in range(1000)}
+    assert len(buckets) == 16 and all(b.startswith("bucket-") for b in buckets)
+    assert user_label("client-7", named) == user_label("client-7", named)
+    assert [priority_label(p) for p in (-1000, -9, 0, 4, 9, 10**9)] == [
+        "-9", "-9", "0", "4", "9", "9"]

@@ -114,7 +114,7 @@ def test_completion_all_fields():
     assert req.sampling == SamplingParams(
         max_tokens=1000, temperature=0.0, top_p=0.5, top_k=40, min_p=0.05, repeat_penalty=1.1,
         presence_penalty=-2.0, frequency_penalty=2.0, seed=-1, stop=("\n", "END"),
-        ignore_eos=True, logprobs=20)
+        ignore_eos=True, logprobs=20, user="someone")
     assert req.sampling.temperature == 0.0 and isinstance(req.sampling.temperature, float)
 
 
