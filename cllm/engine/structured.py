@@ -13,39 +13,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
+from cllm.engine.grammar_depth import TooDeep, check_source, schema_height
+from cllm.engine.json_schema import as_compiled
 from cllm.engine.sequence import FINISH_GRAMMAR, FINISH_STOP
 
 # Compact JSON with one space after ',' and ':': no free whitespace, which a small model can
 # otherwise fill with newlines until max_tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 128  # compiled grammars kept, least recently used out first
-
-
-# Keywords whose value is one subschema, a list of them, or a map of names to them.
-_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-
-
-def closed_objects(schema):
-    """`schema` where an object that lists its properties and says nothing of others takes no
-    others, as llama-server's converter reads it (JSON Schema's default allows any): free to,
-    SmolLM2 added a "temperature" to get_weather's city and unit."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    return out
 
 
 class GrammarError(ValueError):
@@ -101,7 +76,11 @@ class Grammars:
         self._lock = threading.Lock()
 
     def json_schema(self, schema: dict | bool) -> Grammar:
-        text = json.dumps(closed_objects(schema), separators=(",", ":"))  # order matters
+        try:
+            schema_height(schema)  # before as_compiled, which recurses
+        except TooDeep as exc:
+            raise GrammarError(f"the schema is {exc}") from None
+        text = json.dumps(as_compiled(schema), separators=(",", ":"))  # order matters
         return self._get("json_schema", text, lambda: llguidance.LLMatcher.grammar_from_json_schema(
             text, overrides=_JSON_OPTIONS))
 
@@ -151,6 +130,9 @@ class Grammars:
     def _compile(self, translate) -> Grammar:
         try:
             source = translate()
+            check_source(source)
+        except TooDeep as exc:
+            raise GrammarError(f"the grammar is {exc}") from None
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(str(exc)) from None
         tokenizer = self.tokenizer

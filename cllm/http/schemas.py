@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from cllm.config import MAX_TOP_LOGPROBS, SamplingParams
+from cllm.engine.grammar_depth import TooDeep, schema_height
 from cllm.errors import APIError
 from cllm.http.tools import Tool, ToolSpec
 
@@ -339,6 +340,10 @@ def _tool(i: int, value: object) -> Tool:
     parameters = {"type": "object", "properties": {}} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise _invalid("tools", f"{where}.function.parameters must be a JSON Schema object")
+    try:
+        schema_height(parameters)  # a forced call's grammar holds it
+    except TooDeep as exc:
+        raise _invalid("tools", f"{where}.function.parameters: the schema is {exc}") from None
     return Tool(function["name"], description, parameters)
 
 

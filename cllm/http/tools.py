@@ -11,7 +11,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from cllm.engine.structured import closed_objects
+from cllm.engine.json_schema import as_compiled
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -97,7 +97,7 @@ def _as_text(message: dict) -> dict:
 
 def _call_schema(tool: Tool) -> dict:
     return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": closed_objects(tool.parameters)},
+                                             "arguments": as_compiled(tool.parameters)},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 

@@ -114,6 +114,19 @@ def test_an_object_listing_its_properties_takes_no_others_unless_it_says_so(engi
     assert _takes(engine, {"type": "object"}, '{"temperature": 21}')
 
 
+def test_integers_and_numbers_take_at_most_16_integral_digits(engine):
+    """As llama-server bounds them: free, a small model writing greedily can repeat a digit
+    until max_tokens. A bound the schema gives is kept."""
+    for kind in ("integer", "number"):
+        schema = {"type": "object", "properties": {"n": {"type": kind}}, "required": ["n"]}
+        assert _takes(engine, schema, '{"n": 9007199254740991}')
+        assert _takes(engine, schema, '{"n": -9007199254740991}')
+        assert not _takes(engine, schema, '{"n": 11111111111111111')  # 17 digits
+        assert not _takes(engine, schema, '{"n": -11111111111111111')
+    assert _takes(engine, {"type": "number"}, "0.25")
+    assert _takes(engine, {"type": "integer", "maximum": 10**18}, "111111111111111111")
+
+
 @pytest.mark.parametrize("compile_, source, problem", [
     ("json_schema", {"type": "foo"}, "foo"),
     ("json_schema", {"type": "string", "pattern": "(("}, "unclosed group"),
@@ -517,6 +530,45 @@ def test_a_bad_schema_is_a_400_naming_it_and_nothing_is_queued(http, field, valu
     after = metrics(http)
     assert after["cllm_prompt_tokens_total"] == before["cllm_prompt_tokens_total"]
     assert after["cllm_requests_running"] == after["cllm_requests_waiting"] == 0
+
+
+def _chain(links: int, link) -> dict:
+    """A schema whose definitions refer each to the next, `links` deep."""
+    defs = {f"d{i}": link(f"#/$defs/d{i + 1}") for i in range(links)}
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+# Each nested past what llguidance's compiler took on an 8 MiB stack (it overflowed it and the
+# process died): a chain through properties, items and anyOf, and GBNF rules naming the next.
+DEEP_SCHEMAS = [_chain(1500, lambda r: {"type": "object", "properties": {"x": {"$ref": r}}}),
+                _chain(3000, lambda r: {"type": "array", "items": {"$ref": r}}),
+                _chain(3000, lambda r: {"anyOf": [{"$ref": r}, {"type": "null"}]})]
+DEEP_GRAMMAR = ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(6000))
+                + 'r6000 ::= "x"\n')
+DEEP_FIELDS = ([("json_schema", s) for s in DEEP_SCHEMAS]
+               + [("response_format", {"type": "json_schema", "json_schema": {"schema": s}})
+                  for s in DEEP_SCHEMAS] + [("grammar", DEEP_GRAMMAR)])
+
+
+def test_a_schema_or_grammar_nested_thousands_deep_is_a_400_and_the_server_lives(server, http):
+    prompt = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+              "/v1/completions": {"prompt": "Hi"}, "/generate": {"prompt": "Hi"},
+              "/completion": {"prompt": "Hi"}}
+    for path, body in prompt.items():
+        for field, value in DEEP_FIELDS:
+            r = http.post(path, json={**body, field: value, "max_tokens": 4})
+            assert r.status_code == 400, (path, field, r.text[:300])
+            assert r.json()["error"]["message"].startswith(f"{field}: "), r.text[:300]
+            assert "levels deep" in r.json()["error"]["message"]
+    deep_tool = {"type": "function", "function": {"name": "f", "parameters": DEEP_SCHEMAS[0]}}
+    r = http.post("/v1/chat/completions", json={**prompt["/v1/chat/completions"],
+                                                "tools": [deep_tool], "tool_choice": "required"})
+    assert assert_error(r, 400)["param"] == "tools"
+    assert server.proc.poll() is None
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "json_schema":
+                                           {"type": "object"}})
+    assert r.status_code == 200, r.text
 
 
 # Its first bitmask is within llguidance's limits, its second (after one token) is not: too many
