@@ -11,7 +11,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from cllm.engine.json_schema import as_compiled
+from cllm.engine.json_schema import as_compiled, rooted
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -97,8 +97,19 @@ def _as_text(message: dict) -> dict:
 
 def _call_schema(tool: Tool) -> dict:
     return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": as_compiled(tool.parameters)},
+                                             "arguments": {"$ref": _arguments_ref(tool)}},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _arguments_ref(tool: Tool) -> str:
+    return f"#/$defs/{tool.name}"  # a name is letters, digits, '_', '.', '-': no escaping
+
+
+def _arguments_defs(tools: tuple[Tool, ...]) -> dict:
+    """Each tool's parameters under the call schema's $defs by the tool's name, with their own
+    references ("#/$defs/Address", "#") made to point there: the call schema is the root those
+    resolve against, and two tools may each have an "Address" of their own."""
+    return {t.name: rooted(as_compiled(t.parameters), _arguments_ref(t)[1:]) for t in tools}
 
 
 def call_grammar(spec: ToolSpec) -> str | None:
@@ -106,17 +117,17 @@ def call_grammar(spec: ToolSpec) -> str | None:
     tool_choice, or for "required" one call of any tool (one or more with `parallel`). None
     when the model chooses freely. A named choice asks for that call, as vLLM reads it: the
     same call again and again, until max_tokens, is what a small model did with more allowed."""
-    if spec.choice == "function":
-        schema = _call_schema(next(t for t in spec.tools if t.name == spec.name))
-    elif spec.choice == "required":
-        schema = {"anyOf": [_call_schema(t) for t in spec.tools]}
-    else:
+    if spec.choice not in ("function", "required"):
         return None
-    # Compact JSON: free whitespace is where a small model loses itself.
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                       "key_separator": ": "}}
-    calls = 'call ("\\n" call)*' if spec.parallel and spec.choice == "required" else "call"
-    return (f"start: {calls}\n"
+    tools = tuple(t for t in spec.tools if spec.choice == "required" or t.name == spec.name)
+    calls = [_call_schema(t) for t in tools]
+    schema = {**(calls[0] if spec.choice == "function" else {"anyOf": calls}),
+              "$defs": _arguments_defs(tools),
+              # Compact JSON: free whitespace is where a small model loses itself.
+              "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                             "key_separator": ": "}}
+    rule = 'call ("\\n" call)*' if spec.parallel and spec.choice == "required" else "call"
+    return (f"start: {rule}\n"
             f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
             f"body: %json {json.dumps(schema)}\n")
 

@@ -14,10 +14,12 @@ from pathlib import Path
 import httpx
 import jsonschema
 import llguidance
+import openai
 import pytest
 from engine_checks import FaultyContext, assert_idle, run_tokens
 from http_checks import assert_error, metrics, post_stream, sse_payloads
 from model_facts import ON_GPU_NOT_BATCH_INVARIANT
+from pydantic import BaseModel
 from server_process import ServerProcess
 
 from cllm.config import EngineConfig, SamplingParams
@@ -719,3 +721,41 @@ def test_a_tool_result_in_the_history_round_trips(client):
     (choice,) = reply.choices
     assert choice.message.content and not choice.message.tool_calls
     assert reply.usage.prompt_tokens > 0
+
+
+# ---- tools whose parameters are Pydantic models with nested ones ($defs and $ref) ----
+
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Person(BaseModel):
+    name: str
+    address: Address
+
+
+class Node(BaseModel):
+    label: str
+    children: list["Node"]
+
+
+@pytest.mark.parametrize("model, ask", [(Person, "Save Ann, who lives at 1 Main St in Oslo."),
+                                        (Node, "Save a tree: a root with no children.")])
+def test_a_forced_call_of_a_pydantic_tool_has_arguments_that_validate(client, model, ask):
+    """The openai SDK's pydantic_function_tool, forced: its schema's references resolve per
+    tool, and the arguments the model writes are a valid instance."""
+    tool = openai.pydantic_function_tool(model, name=f"save_{model.__name__.lower()}")
+    name = tool["function"]["name"]
+    served = client.models.list().data[0].id
+    for choice in ({"type": "function", "function": {"name": name}}, "required"):
+        r = client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": ask}],
+            tools=[tool, WEATHER], tool_choice=choice, parallel_tool_calls=False,
+            temperature=0, max_tokens=200)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        (call,) = r.choices[0].message.tool_calls
+        if call.function.name == name:
+            model.model_validate_json(call.function.arguments)
+        else:
+            _arguments(call, WEATHER)

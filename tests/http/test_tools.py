@@ -4,6 +4,7 @@ import json
 
 import llguidance
 import pytest
+from pydantic import BaseModel
 
 from cllm.http.tools import CallParser, Tool, ToolSpec, call_grammar, prompt_messages, split_reply
 
@@ -122,3 +123,80 @@ def test_the_required_choice_grammar_takes_any_tool_and_several_calls():
 def test_auto_and_none_are_not_constrained():
     assert call_grammar(ToolSpec((WEATHER,), "auto")) is None
     assert call_grammar(ToolSpec((WEATHER,), "none")) is None
+
+
+# ---- tools whose parameters refer to their own $defs, as every nested Pydantic model's do ----
+
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Person(BaseModel):
+    name: str
+    address: Address
+
+
+class Node(BaseModel):
+    """Recursive: its schema refers to itself."""
+    label: str
+    children: list["Node"]
+
+
+def _parcel_schema() -> dict:
+    """Another model named Address, with other fields, as two tools of one app may have."""
+    class Address(BaseModel):
+        postcode: int
+
+    class Parcel(BaseModel):
+        to: Address
+    return Parcel.model_json_schema()
+
+
+PERSON = Tool("save_person", "", Person.model_json_schema())
+TREE = Tool("save_tree", "", Node.model_json_schema())
+PARCEL = Tool("send_parcel", "", _parcel_schema())
+
+
+def _call(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_pydantic_schemas_use_defs_and_references():
+    assert "$defs" in PERSON.parameters and "$ref" in json.dumps(PERSON.parameters)
+    assert "Address" in PERSON.parameters["$defs"] and "Address" in PARCEL.parameters["$defs"]
+
+
+def test_a_forced_call_resolves_a_tools_references_in_its_own_defs():
+    grammar = call_grammar(ToolSpec((PERSON, WEATHER), "function", "save_person"))
+    person = {"name": "Ann", "address": {"street": "Main St", "city": "Oslo"}}
+    assert _accepts(grammar, _call("save_person", person))
+    assert not _accepts(grammar, _call("save_person", {**person, "address": {"street": "x"}}))
+
+
+def test_a_forced_call_of_a_recursive_model_nests():
+    grammar = call_grammar(ToolSpec((TREE,), "function", "save_tree"))
+    tree = {"label": "a", "children": [{"label": "b", "children": [
+        {"label": "c", "children": []}]}]}
+    assert _accepts(grammar, _call("save_tree", tree))
+    assert not _accepts(grammar, _call("save_tree", {"label": "a", "children": [{"x": 1}]}))
+
+
+def test_two_tools_with_a_def_of_the_same_name_each_keep_their_own():
+    grammar = call_grammar(ToolSpec((PERSON, PARCEL, TREE), "required"))
+    person = {"name": "Ann", "address": {"street": "Main St", "city": "Oslo"}}
+    parcel = {"to": {"postcode": 1234}}
+    assert _accepts(grammar, _call("save_person", person))
+    assert _accepts(grammar, _call("send_parcel", parcel))
+    assert not _accepts(grammar, _call("send_parcel", {"to": person["address"]}))
+    assert not _accepts(grammar, _call("save_person", {**person, "address": parcel["to"]}))
+
+
+def test_a_reference_to_the_root_of_a_tools_parameters_stays_inside_them():
+    """A "#" self-reference (a hand-written recursive schema) means the tool's parameters, not
+    the call around them."""
+    chain = Tool("chain", "", {"type": "object", "properties": {
+        "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["next"]})
+    grammar = call_grammar(ToolSpec((chain,), "function", "chain"))
+    assert _accepts(grammar, _call("chain", {"next": {"next": None}}))
+    assert not _accepts(grammar, _call("chain", {"next": {"name": "chain", "arguments": {}}}))
