@@ -150,37 +150,54 @@ class EngineConfig:
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """A client's key and what it is given: its name (the user its requests count for in the
-    fair shares), its weight there, and the lowest priority value its requests may have."""
+    fair shares), its weight there, the lowest priority value its requests may have, and its
+    quotas (None: no limit): sequences in flight, and prompt plus generated tokens a minute."""
     key: str
     name: str = ""
     weight: float = 1.0
     priority: int = 0
+    max_requests: int | None = None
+    tokens_per_minute: int | None = None
 
 
 def parse_api_keys(text: str) -> tuple[ApiKey, ...]:
-    """An API key file: a key a line, each optionally followed by name=NAME, weight=W and
-    priority=P (blank lines and lines starting with # are skipped)."""
+    """An API key file: a key a line, each optionally followed by name=NAME, weight=W,
+    priority=P, max_requests=N and tokens_per_minute=N (blank lines and lines starting with #
+    are skipped)."""
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split()
         if not words or words[0].startswith("#"):
             continue
-        fields = {}
-        for word in words[1:]:
-            name, sep, value = word.partition("=")
-            if not sep or name not in ("name", "weight", "priority") or name in fields:
-                raise ValueError(f"line {number}: {word!r} is not name=, weight= or priority=")
-            fields[name] = value
         try:
-            key = ApiKey(words[0], fields.get("name", ""), float(fields.get("weight", 1.0)),
-                         int(fields.get("priority", 0)))
-        except ValueError:
-            raise ValueError(f"line {number}: weight takes a number, priority an integer") \
-                from None
-        if not key.weight > 0:
-            raise ValueError(f"line {number}: the weight must be above 0")
-        keys.append(key)
+            keys.append(_api_key(words[0], words[1:]))
+        except ValueError as exc:
+            raise ValueError(f"line {number}: {exc}") from None
     return tuple(keys)
+
+
+_KEY_FIELDS = {"name": str, "weight": float, "priority": int, "max_requests": int,
+               "tokens_per_minute": int}
+
+
+def _api_key(key: str, words: list[str]) -> ApiKey:
+    fields = {}
+    for word in words:
+        name, sep, value = word.partition("=")
+        if not sep or name not in _KEY_FIELDS or name in fields:
+            raise ValueError(f"{word!r} is not one of {', '.join(f + '=' for f in _KEY_FIELDS)}")
+        try:
+            fields[name] = _KEY_FIELDS[name](value)
+        except ValueError:
+            kind = "an integer" if _KEY_FIELDS[name] is int else "a number"
+            raise ValueError(f"{name} takes {kind}, got {value!r}") from None
+    entry = ApiKey(key, **fields)
+    if not entry.weight > 0:
+        raise ValueError("the weight must be above 0")
+    for name in ("max_requests", "tokens_per_minute"):
+        if getattr(entry, name) is not None and getattr(entry, name) < 1:
+            raise ValueError(f"{name} must be at least 1")
+    return entry
 
 
 @dataclass(slots=True)

@@ -113,17 +113,22 @@ def test_api_key_from_a_file_stays_out_of_the_process_list(tmp_path):
 def test_a_key_file_names_users_with_their_weights_and_priorities(tmp_path):
     path = tmp_path / "keys"
     path.write_text("# the family\nk-alice name=alice weight=2\n\n"
-                    "k-agents name=agents priority=5\nk-plain\n")
+                    "k-agents name=agents priority=5 max_requests=8 tokens_per_minute=9000\n"
+                    "k-plain\n")
     config = serve.build_config(serve.parse_args(["--api-key-file", str(path)]))
     assert config.api_key is None
-    assert [(k.key, k.name, k.weight, k.priority) for k in config.keys()] == [
-        ("k-alice", "alice", 2.0, 0), ("k-agents", "agents", 1.0, 5), ("k-plain", "", 1.0, 0)]
+    assert [(k.key, k.name, k.weight, k.priority, k.max_requests, k.tokens_per_minute)
+            for k in config.keys()] == [("k-alice", "alice", 2.0, 0, None, None),
+                                        ("k-agents", "agents", 1.0, 5, 8, 9000),
+                                        ("k-plain", "", 1.0, 0, None, None)]
 
 
 @pytest.mark.parametrize("line, reason", [
-    ("k colour=red", "'colour=red' is not name=, weight= or priority="),
+    ("k colour=red", "'colour=red' is not one of name=, weight=, priority=, max_requests="),
     ("k name=a name=b", "'name=b' is not"), ("k weight=heavy", "weight takes a number"),
-    ("k priority=1.5", "priority an integer"), ("k weight=0", "the weight must be above 0"),
+    ("k priority=1.5", "priority takes an integer"), ("k weight=0", "the weight must be above 0"),
+    ("k max_requests=0", "max_requests must be at least 1"),
+    ("k tokens_per_minute=lots", "tokens_per_minute takes an integer"),
 ])
 def test_bad_key_file_lines_exit_2_naming_the_line(tmp_path, capsys, line, reason):
     path = tmp_path / "keys"

@@ -27,6 +27,7 @@ from cllm.http.formats import Format, GenerateFormat
 from cllm.http.generation import Generation, SequenceFailure, failure
 from cllm.http.metrics import Metrics
 from cllm.http.model_card import model_names, repo_id
+from cllm.http.quotas import Quotas
 from cllm.http.responses import Token, anthropic_error, token_name
 from cllm.http.schemas import Constraint
 
@@ -47,6 +48,7 @@ class AppState:
         self.model_root = model_name  # the repository id once the model is loaded, if known
         self.model_names = frozenset({model_name})  # all it answers to (model_card.model_names)
         self.metrics = Metrics(frozenset(k.name for k in config.keys() if k.name))
+        self.quotas = Quotas()
         self.engine: Engine | None = None
         self.renderer: TemplateRenderer | None = None
         self.embeddings: Embeddings | None = None
@@ -117,9 +119,10 @@ class AppState:
             return Token(token_name(raw), raw)
         return Token(model.token_to_piece(token, True).decode("utf-8", "replace"), None)
 
-    def sequence_ended(self, sampling: SamplingParams, delta: Delta) -> None:
+    def sequence_ended(self, sampling: SamplingParams, key: ApiKey | None, delta: Delta) -> None:
         """Every sequence's final delta, whether or not its client is still reading. An abort is
         the client's doing (it left), not a failure of the server."""
+        self.quotas.ended(key, delta.prompt_tokens + delta.completion_tokens)
         error = failure(delta) if delta.finish_reason != FINISH_ABORT else None
         self.metrics.record_sequence(sampling, delta)
         self.metrics.record_outcome(delta.finish_reason, error.status if error else None)
@@ -247,19 +250,24 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
         raise APIError(400, "the prompt has no tokens", param="prompt")
     if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
         raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
-    sampling = for_caller(sampling, request.scope.get("state", {}).get(KEY_STATE))
+    key = request.scope.get("state", {}).get(KEY_STATE)
+    sampling = for_caller(sampling, key)
+    state.quotas.admit(key, n)
     streams = []
     # A whole response reads only the sum of the deltas: they may come as the engine makes them.
     interval = state.config.stream_interval if stream else None
     try:
         for i in range(n):
             streams.append(engine.submit(prompt, sampling.for_choice(i), f"{fmt.request_id}-{i}",
-                                         on_end=functools.partial(state.sequence_ended, sampling),
+                                         on_end=functools.partial(state.sequence_ended, sampling,
+                                                                  key),
                                          cache_prompt=cache_prompt,
                                          stream_interval=interval))
     except BaseException as exc:  # nothing submitted may decode on with nobody reading it
         for s in streams:
             s.abort()
+        for _ in range(n - len(streams)):  # never submitted: out of flight at once
+            state.quotas.ended(key, 0)
         if isinstance(exc, PromptTooLongError):
             raise APIError(400, str(exc), code="context_length_exceeded",
                            param="prompt") from exc

@@ -70,3 +70,27 @@ def test_each_named_keys_requests_count_for_its_user_at_its_priority(tmp_path):
     assert after['cllm_time_to_first_token_seconds_count{priority="3"}'] == 1
     assert after['cllm_time_to_first_token_seconds_count{priority="0"}'] == 1
     assert not any('user="bucket' in name for name in after)  # the field did not count
+
+
+def test_a_keys_quotas_answer_429_naming_the_limit_and_free_up_as_sequences_end(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("k-one name=one max_requests=1\nk-tpm name=tpm tokens_per_minute=20\n")
+    body = {"prompt": "Count to a hundred:", "max_tokens": 24, "ignore_eos": True}
+    with ServerProcess("--api-key-file", str(path), "--parallel", "2") as srv:
+        with srv.http_client(api_key="k-one") as http:
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as first:
+                lines = first.iter_lines()
+                next(lines)  # in flight now
+                second = http.post("/v1/completions", json=body)
+                assert second.status_code == 429 and second.headers["Retry-After"] == "1"
+                error = second.json()["error"]
+                assert error["code"] == "rate_limit_exceeded"
+                assert "1 sequences in flight" in error["message"]
+                for _ in lines:  # the first runs to its end
+                    pass
+            assert http.post("/v1/completions", json=body).status_code == 200
+        with srv.http_client(api_key="k-tpm") as http:
+            assert http.post("/v1/completions", json=body).status_code == 200  # 24+ tokens
+            refused = http.post("/v1/completions", json=body)
+            assert refused.status_code == 429 and "20 tokens a minute" in refused.text
+            assert 1 <= int(refused.headers["Retry-After"]) <= 60
