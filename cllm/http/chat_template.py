@@ -5,13 +5,11 @@ touch, not how long it runs or how much memory it takes, so the server renders i
 TemplateRenderer: in worker processes with a memory limit, killed past a deadline."""
 from __future__ import annotations
 
-import asyncio
 import json
 import multiprocessing
 import resource
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import jinja2
@@ -20,6 +18,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cllm.errors import APIError
+from cllm.http.pool import WorkPool
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -124,12 +123,14 @@ class ChatTemplate:
 class TemplateRenderer:
     """Renders a ChatTemplate in worker processes, one per thread of its own pool. A render
     that runs past `timeout` seconds is killed with its worker, one that needs more than
-    WORKER_MEMORY_BYTES fails; either is a 400, and the next render gets a fresh worker."""
+    WORKER_MEMORY_BYTES fails; either is a 400, and the next render gets a fresh worker. A
+    render whose caller left before its turn never starts; closing answers every waiting one
+    with PoolClosed (cllm/http/pool.py)."""
 
     def __init__(self, template: ChatTemplate, *, timeout: float, workers: int = 2) -> None:
         self.template = template  # compiled here too: what the workers render
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cllm-template")
+        self._pool = WorkPool(workers, "cllm-template")
         self._local = threading.local()
         self._workers: set[_Worker] = set()
         self._lock = threading.Lock()
@@ -139,11 +140,15 @@ class TemplateRenderer:
             self._pool.submit(self._ready_worker)
 
     async def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._render, messages, tools)
+        return await self._pool.run(self._render, messages, tools)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a render still runs on one of the pool's threads."""
+        return self._pool.busy
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
         with self._lock:
             for worker in self._workers:
                 worker.kill()
