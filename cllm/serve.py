@@ -82,6 +82,9 @@ OPTIONS = {
                         "this many at a time"),
     "max_body_bytes": (int, _SERVER.max_body_bytes, "largest request body (413 above)"),
     "shutdown_grace": (float, _SERVER.shutdown_grace, "seconds in-flight requests get on SIGTERM"),
+    "tokenize_timeout": (float, _SERVER.tokenize_timeout,
+                         "seconds a request's text may take to tokenize, its wait for the "
+                         "tokenizer included (503 past it)"),
     "template_timeout": (float, _SERVER.template_timeout,
                          "seconds the chat template may take to render a prompt (400 past it)"),
     "client_timeout": (float, _SERVER.client_timeout,
@@ -115,7 +118,8 @@ GROUPS = {
     "model": ("model", "served_model_name", "n_gpu_layers"),
     "server and security": ("host", "port", "api_key", "api_key_file", "request_timeout",
                             "max_queue", "max_body_bytes", "client_timeout", "max_connections",
-                            "shutdown_grace", "template_timeout", "log_level"),
+                            "shutdown_grace", "template_timeout", "tokenize_timeout",
+                            "log_level"),
     "KV cache and scheduling": ("parallel", "ctx_size", "kv_unified", "prefix_cache",
                                 "cache_replies", "cache_prompts", "batch_size"),
     "tuning": ("threads", "cpu_wait", "flash_attn", "backend_sampling", "ubatch_size",
@@ -186,6 +190,7 @@ def build_config(options: dict) -> ServerConfig:
                         max_body_bytes=options["max_body_bytes"],
                         shutdown_grace=options["shutdown_grace"],
                         template_timeout=options["template_timeout"],
+                        tokenize_timeout=options["tokenize_timeout"],
                         client_timeout=options["client_timeout"],
                         max_connections=options["max_connections"],
                         stream_interval=options["stream_interval"], engine=engine)

@@ -27,11 +27,18 @@ from cllm.http.formats import Format, GenerateFormat
 from cllm.http.generation import Generation, SequenceFailure, failure
 from cllm.http.metrics import Metrics
 from cllm.http.model_card import model_names, repo_id
+from cllm.http.pool import Overdue, PoolClosed, WorkPool
 from cllm.http.quotas import Quotas
 from cllm.http.responses import Token, anthropic_error, token_name
 from cllm.http.schemas import Constraint
 
 log = logging.getLogger(__name__)
+
+# Threads that tokenize client text. llama.cpp tokenizes without the GIL and cannot be
+# interrupted; two threads keep one long text from holding every short one behind it, and the
+# pool's own threads keep tokenizing from crowding the default executor (engine shutdown,
+# grammar compiles), as vLLM gives its tokenizer an executor of its own.
+TOKENIZER_THREADS = 2
 
 
 def shutting_down() -> APIError:
@@ -52,6 +59,7 @@ class AppState:
         self.engine: Engine | None = None
         self.renderer: TemplateRenderer | None = None
         self.embeddings: Embeddings | None = None
+        self.tokenizer = WorkPool(TOKENIZER_THREADS, "cllm-tokenize")
         self.load_error: str | None = None
         self.stopping = False
 
@@ -79,12 +87,18 @@ class AppState:
         """Refuse new requests and end the running ones, each with a stated 503 (reason
         'shutdown'); idempotent."""
         self.stopping = True
+        self.tokenizer.close()
         if self.renderer is not None:
             self.renderer.close()
         if self.embeddings is not None:
             self.embeddings.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+
+    @property
+    def busy(self) -> bool:
+        """Whether work that cannot be interrupted (tokenizing, rendering) still runs."""
+        return self.tokenizer.busy or (self.renderer is not None and self.renderer.busy)
 
     def require_engine(self) -> Engine:
         if self.stopping:
@@ -164,22 +178,46 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(raw)
 
 
-async def tokenize_text(engine: Engine, text: str, *, add_special: bool) -> list[int]:
-    """Special-token text parsed as such. Megabytes take a second: the tokenizer runs in a
-    thread, with the GIL released, while the event loop serves the other requests."""
-    return await asyncio.to_thread(engine.model.tokenize, text, add_special=add_special,
-                                   parse_special=True)
+async def tokenize_text(request: Request, engine: Engine, text: str, *,
+                        add_special: bool) -> list[int]:
+    """Special-token text parsed as such (tokenizer_work: off the loop, bounded)."""
+    return await tokenizer_work(request, engine.model.tokenize, text, add_special, True)
 
 
-async def chat_prompt(state: AppState, engine: Engine, messages: list[dict],
+async def tokenizer_work(request: Request, fn, *args):
+    """fn(*args) on the tokenizer's threads for this request: megabytes take seconds, while
+    the event loop serves the other requests. Work whose client leaves before its turn is
+    dropped; a stopping server answers 503 at once. Past --tokenize-timeout (its wait for a
+    thread included) it is a 503 with Retry-After: a text within the body limit takes a few
+    seconds on a free tokenizer, so the server was busy: a 503, which OpenAI's and Anthropic's
+    clients retry, as llama-server answers 503 (unavailable_error) while it cannot serve yet.
+    vLLM and llama-server set no deadline here."""
+    state: AppState = request.app.state.cllm
+    timeout = state.config.tokenize_timeout
+    try:
+        return await until_disconnect(request, state.tokenizer.run(fn, *args, timeout=timeout))
+    except PoolClosed:
+        raise shutting_down() from None
+    except Overdue:
+        raise APIError(503, f"the tokenizer did not finish within {timeout:g} s "
+                       "(--tokenize-timeout): the server is busy, retry later", type="server_error",
+                       code="tokenize_timeout", headers={"Retry-After": "1"}) from None
+
+
+async def chat_prompt(request: Request, engine: Engine, messages: list[dict],
                       tools: list[dict] | None = None) -> list[int]:
     """A conversation's prompt tokens, rendered by the model's chat template (with the tools
-    offered to the model, if any)."""
-    text = await state.renderer.render(messages, tools)
+    offered to the model, if any). A render whose client leaves before its turn is dropped."""
+    state: AppState = request.app.state.cllm
+    try:
+        text = await until_disconnect(request, state.renderer.render(messages, tools))
+    except PoolClosed:
+        raise shutting_down() from None
     # Templates that write the BOS token themselves must not get a second one. The check is on
     # the BOS token's text ("<bos>"): its piece without special=True is empty.
     bos = state.renderer.template.bos_token if engine.model.adds_bos else None
-    return await tokenize_text(engine, text, add_special=not (bos and text.startswith(bos)))
+    return await tokenize_text(request, engine, text,
+                               add_special=not (bos and text.startswith(bos)))
 
 
 class ClientGone(Exception):

@@ -155,7 +155,7 @@ async def create_message(request: Request, state: AppState) -> Response:
     engine = state.engine_for(body)
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
-    prompt = await chat_prompt(state, engine, req.messages)
+    prompt = await chat_prompt(request, engine, req.messages)
     fmt = new_format(MessagesFormat, request, "msg", sampling, n_prompt=len(prompt),
                      stops=sampling.stop, is_eog=engine.model.is_eog,
                      detokenize=engine.model.detokenize)

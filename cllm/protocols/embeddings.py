@@ -84,8 +84,8 @@ async def embeddings(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     req = parse_embeddings(body)
     engine = state.engine_for(body)
-    inputs = [item if isinstance(item, list) else await tokenize_text(engine, item,
-                                                                      add_special=True)
+    inputs = [item if isinstance(item, list)
+              else await tokenize_text(request, engine, item, add_special=True)
               for item in req.inputs]
     for i, tokens in enumerate(inputs):
         if not tokens:

@@ -14,6 +14,6 @@ async def generate(request: Request, state: AppState) -> Response:
     engine = state.require_engine()
     req = schemas.parse_generate(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
-    prompt = await tokenize_text(engine, req.prompt, add_special=True)
+    prompt = await tokenize_text(request, engine, req.prompt, add_special=True)
     fmt = new_format(GenerateFormat, request, "gen", sampling)
     return await respond(request, fmt, prompt, sampling, 1, req.stream, False, req.cache_prompt)

@@ -5,7 +5,6 @@ Shapes follow llama-server at the pinned llama.cpp (tools/server): a streamed /c
 `data: {...}` events and no [DONE]; its last event has `"stop": true` and the totals."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -17,7 +16,15 @@ from cllm.engine.engine import Delta
 from cllm.engine.sequence import FINISH_LENGTH
 from cllm.errors import APIError
 from cllm.http import schemas
-from cllm.http.common import AppState, constrained, new_format, read_json, respond, tokenize_text
+from cllm.http.common import (
+    AppState,
+    constrained,
+    new_format,
+    read_json,
+    respond,
+    tokenize_text,
+    tokenizer_work,
+)
 from cllm.http.formats import Choice, Format, matched_stop
 
 # llama-server's sampling defaults (common_params_sampling), for fields a request leaves out.
@@ -148,7 +155,7 @@ async def completion(request: Request, state: AppState) -> Response:
     req = parse_completion(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
-        engine, req.prompt, add_special=True)
+        request, engine, req.prompt, add_special=True)
     fmt = new_format(NativeCompletionFormat, request, "cmpl", sampling, prompt=req.prompt,
                      n_prompt=len(prompt), settings=sampling,
                      detokenize=engine.model.detokenize, return_tokens=req.return_tokens)
@@ -182,7 +189,7 @@ async def tokenize(request: Request, state: AppState) -> Response:
     content, add_special, with_pieces = schemas.parse_tokenize(await read_json(request,
                                                                           state.config))
     engine = state.require_engine()
-    tokens = await tokenize_text(engine, content, add_special=add_special)
+    tokens = await tokenize_text(request, engine, content, add_special=add_special)
     if with_pieces:
         tokens = [{"id": t, "piece": _piece(engine.model, t)} for t in tokens]
     return JSONResponse({"tokens": tokens})
@@ -202,7 +209,8 @@ async def detokenize(request: Request, state: AppState) -> Response:
     tokens = schemas.parse_detokenize(await read_json(request, state.config))
     engine = state.require_engine()
     # A million ids take a while: off the event loop, which serves the other requests meanwhile.
-    return JSONResponse({"content": await asyncio.to_thread(_detokenize, engine.model, tokens)})
+    text = await tokenizer_work(request, _detokenize, engine.model, tokens)
+    return JSONResponse({"content": text})
 
 
 def _detokenize(model, tokens: list[int]) -> str:

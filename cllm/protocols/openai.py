@@ -28,7 +28,7 @@ async def completions(request: Request, state: AppState) -> Response:
                                max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
-        engine, req.prompt, add_special=True)
+        request, engine, req.prompt, add_special=True)
     fmt = new_format(CompletionFormat, request, "cmpl", sampling,
                      prompt_token_ids=prompt if req.return_token_ids else None)
     return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
@@ -46,7 +46,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     sampling = await constrained(engine, req.sampling, constraint)
     messages, offered = tools.prompt_messages(req.messages, req.tools,
                                               state.renderer.template.takes_tools)
-    prompt = await chat_prompt(state, engine, messages, offered)
+    prompt = await chat_prompt(request, engine, messages, offered)
     fmt = new_format(ChatFormat, request, "chatcmpl", sampling, tool_calls=calls,
                      functions=req.functions,
                      prompt_token_ids=prompt if req.return_token_ids else None)

@@ -181,7 +181,7 @@ async def create_response(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     engine = state.engine_for(body)
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
-    prompt = await chat_prompt(state, engine, req.messages)
+    prompt = await chat_prompt(request, engine, req.messages)
     fmt = new_format(ResponsesFormat, request, "resp", req.sampling, settings=req.sampling,
                      instructions=req.instructions)
     return await respond(request, fmt, prompt, req.sampling, 1, req.stream, False, True)
