@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -138,4 +140,21 @@ def serve(config: ServerConfig, model_path: Path) -> int:
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_graceful_shutdown=config.shutdown_grace + 10), grace=config.shutdown_grace)
     server.run()
-    return 1 if load_failures else 0
+    code = 1 if load_failures else 0
+    state = getattr(app.state, "cllm", None)  # none if the server never started
+    if state is not None and state.busy:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit without waiting for threads still tokenizing or rendering a prompt. Their clients
+    had their 503s at the grace, but llama.cpp cannot interrupt a tokenization (a long text
+    takes seconds), the interpreter waits for a pool's threads at exit, and C++'s static
+    destructors must not run under a thread still reading llama.cpp's tables: the process
+    leaves them, as a kill would, so the grace bounds the shutdown."""
+    logging.getLogger("cllm.serve").info("exiting with tokenizing or rendering still running")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
