@@ -7,7 +7,7 @@ that later sequences start from. The engine learns of every change to llama.cpp'
 in order, from `take_kv_ops()` (a step's own are in its `SchedulerOutput`)."""
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cllm.engine.fair_share import FairShare
@@ -164,7 +164,7 @@ class Scheduler:
         self._step_cells = 0
         self._step_end_tokens = 0
         out.expired = self._expire(now)
-        self._preempt_for_priority(now)
+        self._preempt_for_waiting(now)
         budget = self._schedule_decodes(out, self.token_budget, now)
         n_decodes = len(out.chunks)
         budget = self._schedule_prefills(out, budget)
@@ -260,13 +260,13 @@ class Scheduler:
         seq.last_token_time = now
         self._check_end(seq, token, now)
 
-    def preempt(self, now: float) -> Sequence | None:
-        """Free the KV of the lowest-priority running sequence (the most recently admitted
-        among equals) and queue it first among its priority, to be recomputed. Returns it, or
-        None if nothing runs."""
+    def preempt(self, now: float, index: int | None = None) -> Sequence | None:
+        """Free the KV of running sequence `index`, by default the lowest-priority one (the
+        most recently admitted among equals), and queue it first among its priority, to be
+        recomputed. Returns it, or None if nothing runs."""
         if not self.running:
             return None
-        seq = self.running.pop(self._victim_index())
+        seq = self.running.pop(self._victim_index() if index is None else index)
         self._release(seq, ending=False)  # its computed tokens stay cached to resume from
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -283,27 +283,52 @@ class Scheduler:
 
     def _next_waiting(self, skip: set[int]) -> int | None:
         """Where the waiting sequence to admit next is in the queue: the lowest priority
-        value, then the user whose fair-share clock is lowest, then the first in the queue
+        value, then the user whose fair-share clock is lowest, then the user holding fewer
+        slots (a newcomer's clock starts level with the lowest), then the first in the queue
         (arrival order, preempted ones first); None when every waiting sequence is in `skip`
         (ids)."""
+        held = Counter(seq.sampling.user for seq in self.running)
         best, best_key = None, None
         for i, seq in enumerate(self.waiting):
             if id(seq) in skip:
                 continue
-            key = (seq.sampling.priority, self.fair_share.clock(seq.sampling.user))
+            user = seq.sampling.user
+            key = (seq.sampling.priority, self.fair_share.clock(user), held[user])
             if best_key is None or key < best_key:
                 best, best_key = i, key
         return best
 
-    def _preempt_for_priority(self, now: float) -> None:
-        """With every slot taken and a waiting sequence of a lower priority value than the
-        worst running one, that one is preempted before this step plans its rows, and this
-        step's admission gives its slot to the waiting one (one such exchange a step)."""
+    def _preempt_for_waiting(self, now: float) -> None:
+        """With every slot taken, the waiting sequence next in line takes a running one's place
+        before this step plans its rows (one exchange a step; this step's admission starts it):
+        - one of a lower priority value than the worst running sequence takes that one's;
+        - one of the same priority whose user holds no slot takes the newest of the user
+          holding the most slots (two or more), so a person who sends one request beside
+          another's batch waits a step, not for a batch request to end."""
         if len(self.running) < self.max_seqs or not self.waiting or not self.running:
             return
-        best = min(seq.sampling.priority for seq in self.waiting)
-        if best < self.running[self._victim_index()].sampling.priority:
-            self.preempt(now)
+        best = self.waiting[self._next_waiting(set())]
+        victim = self._victim_index()
+        if best.sampling.priority < self.running[victim].sampling.priority:
+            self.preempt(now, victim)
+        elif best.sampling.priority == self.running[victim].sampling.priority:
+            victim = self._fair_victim_index(best.sampling.priority, best.sampling.user)
+            if victim is not None:
+                self.preempt(now, victim)
+
+    def _fair_victim_index(self, priority: int, user: str) -> int | None:
+        """For a waiting `user` who holds no slot: the newest running sequence of `priority` of
+        the user holding the most slots, if that user holds two or more."""
+        held = Counter(seq.sampling.user for seq in self.running
+                       if seq.sampling.priority == priority)
+        if held[user]:
+            return None
+        hog, slots = max(held.items(), key=lambda item: (item[1], self.fair_share.clock(item[0])),
+                         default=(None, 0))
+        if slots < 2:
+            return None
+        return max(i for i, seq in enumerate(self.running)
+                   if seq.sampling.user == hog and seq.sampling.priority == priority)
 
     def _check_end(self, seq: Sequence, token: int, now: float) -> None:
         params = seq.sampling

@@ -80,3 +80,25 @@ def test_priority_comes_before_the_shares():
     sched.add(_seq("a1", "a"))
     sched.add(_seq("b0", "b", priority=1))
     assert _admissions(sched, 30)[:3] == ["a", "a", "b"]
+
+
+def test_a_user_holding_no_slot_takes_one_from_the_user_holding_the_most():
+    sched = _scheduler(max_seqs=3)
+    for i in range(6):
+        sched.add(_seq(f"batch{i}", "batch", max_tokens=50))
+    _admissions(sched, 2)
+    sched.add(_seq("chat0", "chat", max_tokens=50))
+    out = sched.schedule(2.0)
+    assert [seq.sampling.user for seq in out.started] == ["chat"]
+    assert [seq.request_id for _, seq in out.released] == ["batch2"]  # the newest batch one
+    assert sched.waiting[0].request_id == "batch2"  # it resumes first of the batch
+
+
+def test_no_slot_changes_hands_while_every_user_holds_at_most_one():
+    sched = _scheduler(max_seqs=2)
+    sched.add(_seq("a0", "a", max_tokens=50))
+    sched.add(_seq("b0", "b", max_tokens=50))
+    _admissions(sched, 2)
+    sched.add(_seq("c0", "c", max_tokens=50))
+    _admissions(sched, 5)
+    assert sched.num_preemptions == 0
