@@ -18,7 +18,7 @@ import aiohttp
 from cllm.engine import steptimer
 from cllm.models import DEFAULT_ALIAS, resolve_model
 
-from . import prompts, report
+from . import prompts, report, users
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget, load_llama_as_the_server
 from .loadgen import Connections, HttpTarget, Level, ReplyLengths, Sender, first_model, run_level
@@ -78,7 +78,11 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
     s = server_settings(args)
     logs = args.out / "logs"
     if args.cllm:
-        targets.append(_started(start_cllm(args.model or DEFAULT_ALIAS, s, logs), stack, data))
+        cllm = s
+        if args.workload == "mixed-users":
+            keys = ("--api-key-file", str(_users_key_file(args, logs)))
+            cllm = replace(s, cllm_args=(*s.cllm_args, *keys))
+        targets.append(_started(start_cllm(args.model or DEFAULT_ALIAS, cllm, logs), stack, data))
     if args.engine_direct:
         path = resolve_model(args.model)
         engine = EngineTarget(str(path), s, load_settings(args))
@@ -100,6 +104,14 @@ def _start_targets(args: argparse.Namespace, stack: ExitStack, data: dict) -> li
     return targets
 
 
+def _users_key_file(args: argparse.Namespace, logs: Path) -> Path:
+    """A named key a user with its weight, so that cllm's fair shares tell the users apart."""
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / "users.keys"
+    path.write_text(users.key_file(users.users(args.users_shape, args.weights)))
+    return path
+
+
 def _started(server: StartedServer, stack: ExitStack, data: dict, **facts) -> Target:
     """`facts`: what the results should say of this server beyond its command (a peer's KV
     layout)."""
@@ -115,13 +127,20 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
     # An open loop without a cap may have every request of a level in flight.
     pool = max(max(level.concurrency or args.requests for level in args.levels),
                args.warmup) + 4
-    async with Connections(pool, load.timeout) as connections:
+    people = (users.users(args.users_shape, args.weights) if args.workload == "mixed-users"
+              else ())
+    # A server with the users' keys lists its models only to one of them.
+    async with Connections(pool, load.timeout,
+                           api_key=people[0].key if people else None) as connections:
         for t in targets:
             if t.url:
                 t.model = t.model or await first_model(connections, t.url)
                 t.send = HttpTarget(t.url, t.model, load, connections).send
                 t.step_counts = partial(_engine_step_counts, connections, t.url)
                 t.sampled = partial(_http_sampled, t, load, connections)
+        if people:
+            await _measure_users(args, targets, data, load, connections)
+            return
         groups = [[v for t in _sampling_series(target, args.sampling)
                    for v in (_with_schema(t, load, connections)
                              if args.workload == "structured" else [t])]
@@ -136,6 +155,24 @@ async def _measure_all(args: argparse.Namespace, targets: list[Target], data: di
                     run["repeat"] = repeat
                     data["runs"].append(run)
                     _print_run(run)
+
+
+async def _measure_users(args: argparse.Namespace, targets: list[Target], data: dict, load,
+                         connections: Connections) -> None:
+    """mixed-users: each run's plan against every server in turn (the order flipping from
+    run to run), each user's requests with its own key."""
+    for repeat in range(args.runs):
+        plan = users.plan(args, seed=level_seed(args, repeat))
+        for t in targets if repeat % 2 == 0 else targets[::-1]:
+            send = {u.name: HttpTarget(t.url, t.model, load, connections, api_key=u.key).send
+                    for u in plan.users}
+            run = {"server": t.name, "url": t.url, "model": t.model, "shape": args.users_shape,
+                   "level": args.users_shape, "concurrency": args.levels[0].concurrency,
+                   "request_rate": None, "loadavg_1m": os.getloadavg()[0]}
+            run |= await plan.measure(send)
+            run["repeat"] = repeat
+            data["runs"].append(run)
+            say(f"{t.name} {args.users_shape}: " + report.users_targets(run).strip())
 
 
 def _http_sampled(t: Target, load, connections: Connections, fields: dict) -> Sender:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import users
 from .loadgen import Level, LoadSettings
 from .servers import ENGINE_DEFAULTS, ServerSettings
 from .stats import SLO_METRICS
@@ -14,6 +16,12 @@ from .workloads import MIXED_TOKENS, WORKLOADS
 
 PEERS = ("llama-server",)
 PEER_KV_LAYOUTS = ("split", "unified")
+DEFAULT_CONCURRENCY = (1, 8, 16, 32)
+DEFAULT_MAX_TOKENS = 50
+# Workloads over the chat endpoint, and what each sends there.
+CHAT_WORKLOADS = {"multi-turn": "sends message histories",
+                  "structured": "sends response_format",
+                  "mixed-users": "sends a person's chat turns"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "sent (default: the first of GET /v1/models)")
     load = p.add_argument_group("load")
     load.add_argument("--requests", type=_positive, default=72, help="per level (default 72)")
-    load.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 8, 16, 32],
+    load.add_argument("--concurrency", type=_positive, nargs="+",
                       help="closed-loop levels: requests kept in flight, each level run "
                            "separately (default 1 8 16 32)")
     load.add_argument("--request-rate", type=_rate, nargs="+",
@@ -53,15 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--runs", type=_positive, default=1,
                       help="measure each level this many times, to show the spread "
                            "(default 1)")
-    load.add_argument("--max-tokens", type=_positive, default=50)
-    load.add_argument("--sampling", type=_sampling, nargs="+",
-                      default=[_sampling(spec) for spec in DEFAULT_SAMPLING], metavar="SPEC",
+    load.add_argument("--max-tokens", type=_positive,
+                      help=f"default {DEFAULT_MAX_TOKENS}; mixed-users: the batch's, default "
+                           f"{users.BATCH_MAX_TOKENS}")
+    load.add_argument("--sampling", type=_sampling, nargs="+", metavar="SPEC",
                       help="how requests sample, each SPEC a series of its own at every level: "
                            "greedy, or fields among t=TEMPERATURE, p=TOP_P, k=TOP_K, "
                            "minp=MIN_P (e.g. t=0.7,p=0.95,k=0); a field left out is not sent, "
                            "so each server keeps its default (llama-server: top-k 40, top-p "
                            "0.95, min-p 0.05; cllm: none). Default: greedy t=1,k=0 "
-                           "t=0.7,p=0.95,k=0, the same parameters for every server")
+                           "t=0.7,p=0.95,k=0 t=1, the same parameters for every server "
+                           "(mixed-users: one SPEC, default greedy)")
     load.add_argument("--seed", type=_non_negative, default=0,
                       help="which series of generated prompts, conversations and arrivals "
                            "(default 0): benchmark processes loading one server together need "
@@ -75,14 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "sharegpt: prompt and output lengths shaped like ShareGPT's chats, "
                            "or from --dataset-path; structured: tickets to triage, each server "
                            "measured free, with a JSON schema, and free with the schema's "
-                           "reply lengths (default standard)")
+                           "reply lengths; mixed-users: two users on one server, each "
+                           "sending its own API key (--users-shape) (default standard)")
     load.add_argument("--dataset-path", type=Path,
                       help="sharegpt: a ShareGPT-style JSON file to take prompts and output "
                            "lengths from")
     source = load.add_mutually_exclusive_group()
     source.add_argument("--prompt-tokens", type=_positive,
                         help="standard workload: synthetic prompts of about N tokens, all "
-                             "different")
+                             "different; mixed-users: its users' prompts (default "
+                             f"{users.BATCH_PROMPT_TOKENS})")
     source.add_argument("--prompt-file", type=Path,
                         help="standard workload: one prompt per line")
     load.add_argument("--prefix-tokens", type=_positive, default=1400,
@@ -106,6 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--warmup", type=_non_negative, default=4,
                       help="requests sent and discarded before each level (default 4)")
     load.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    two = p.add_argument_group("two users (--workload mixed-users)")
+    two.add_argument("--users-shape", choices=users.SHAPES,
+                     help="batch-chat (default): a batch user keeps "
+                          f"{users.BATCH_PER_SLOT} requests a slot (--parallel, default "
+                          f"{users.SLOTS}) in flight, --requests of them, while a person "
+                          f"sends a chat turn every {users.CHAT_EVERY:g} s ({users.CHAT_TOKENS} "
+                          "tokens); reports the person's TTFT beside the batch against as "
+                          "many turns on the idle server, and the batch's throughput against "
+                          "running alone. backlogged: a big user sends --requests requests at "
+                          f"once, then a small user {users.VOLUMES} times fewer, all alike; "
+                          "reports each user's share of the output tokens while both had "
+                          "requests waiting")
+    two.add_argument("--weights", type=_weight, nargs=2, metavar=("W1", "W2"),
+                     help="the users' weights in cllm's fair shares, in the shape's order "
+                          "(batch chat; big small), default 1 1: a cllm started here gets a "
+                          "key file (OUT/logs/users.keys) with one named key a user, and "
+                          "every request sends its user's key; llama-server has no users")
     started = p.add_argument_group("servers started here (--cllm, --peer, --engine-direct)")
     started.add_argument("--parallel", type=_positive,
                          help="sequences/slots (default: the highest concurrency level)")
@@ -147,7 +176,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not (args.url or args.cllm or args.peer or args.engine_direct):
         parser.error("nothing to measure: give --url, --cllm, --peer or --engine-direct")
     _check_workload(parser, args)
-    args.concurrency = sorted(set(args.concurrency))
+    _check_users(parser, args)
+    args.concurrency = sorted(set(args.concurrency or DEFAULT_CONCURRENCY))
+    args.max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
+    args.sampling = args.sampling or [_sampling(spec) for spec in DEFAULT_SAMPLING]
     if args.peer_kv:
         args.peer_kv = list(dict.fromkeys(args.peer_kv))  # each layout once, in order
     args.levels = _levels(parser, args)
@@ -158,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _levels(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Level]:
+    if args.workload == "mixed-users":  # one level: the users' own loads
+        return [Level(concurrency=users.in_flight(args))]
     if not args.request_rate:
         if args.max_concurrency:
             parser.error("--max-concurrency caps an open loop: it needs --request-rate")
@@ -172,23 +206,43 @@ def _check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     """Rejects options the workload would ignore; resolves the endpoint it needs."""
     if args.dataset_path and args.workload != "sharegpt":
         parser.error("--dataset-path is for --workload sharegpt")
-    if args.workload not in ("standard", "structured") and (args.prompt_tokens
-                                                             or args.prompt_file):
+    sized = ("standard", "structured", "mixed-users")
+    if (args.workload not in sized and args.prompt_tokens) or (
+            args.workload not in sized[:2] and args.prompt_file):
         parser.error(f"--prompt-tokens and --prompt-file are for the standard workload; "
                      f"{args.workload} makes its own prompts")
-    if args.workload == "multi-turn":
+    if args.workload in CHAT_WORKLOADS:
         if args.endpoint == "completions":
-            parser.error("multi-turn sends message histories: it needs --endpoint chat")
+            parser.error(f"{args.workload} {CHAT_WORKLOADS[args.workload]}: it needs "
+                         "--endpoint chat")
         if args.engine_direct:
-            parser.error("multi-turn needs a chat template: --engine-direct has none")
-        args.endpoint = "chat"
-    if args.workload == "structured":
-        if args.endpoint == "completions":
-            parser.error("structured sends response_format: it needs --endpoint chat")
-        if args.engine_direct:
-            parser.error("structured needs a chat template: --engine-direct has none")
+            parser.error(f"{args.workload} needs a chat template: --engine-direct has none")
         args.endpoint = "chat"
     args.endpoint = args.endpoint or "completions"
+
+
+def _check_users(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """mixed-users' own defaults; options it would not use are refused by name."""
+    if args.workload != "mixed-users":
+        for flag, value in (("--users-shape", args.users_shape), ("--weights", args.weights)):
+            if value is not None:
+                parser.error(f"{flag} is for --workload mixed-users")
+        return
+    for flag, value in (("--concurrency", args.concurrency),
+                        ("--request-rate", args.request_rate),
+                        ("--max-concurrency", args.max_concurrency),
+                        ("--goodput", args.goodput)):
+        if value:
+            parser.error(f"{flag} is not for mixed-users: its users keep their own loads in "
+                         "flight (--users-shape says which)")
+    if args.sampling and len(args.sampling) > 1:
+        parser.error("mixed-users takes one --sampling SPEC")
+    args.users_shape = args.users_shape or users.SHAPES[0]
+    args.weights = args.weights or [1.0, 1.0]
+    args.parallel = args.parallel or users.SLOTS
+    args.prompt_tokens = args.prompt_tokens or users.BATCH_PROMPT_TOKENS
+    args.max_tokens = args.max_tokens or users.BATCH_MAX_TOKENS
+    args.sampling = args.sampling or [_sampling("greedy")]
 
 
 def load_settings(args: argparse.Namespace) -> LoadSettings:
@@ -251,6 +305,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _weight(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"a weight must be a number above 0, got {text}")
     return value
 
 

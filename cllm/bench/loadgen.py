@@ -198,6 +198,10 @@ def check_tokens(r: RequestResult) -> RequestResult:
     return r
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class Connections:
     """The benchmark's kept-alive connections: one aiohttp session with a connection for every
     request in flight. aiohttp rather than httpx: on a 2-core machine the client shares the
@@ -208,8 +212,9 @@ class Connections:
 
     CONNECT_TIMEOUT = 30.0  # seconds
 
-    def __init__(self, connections: int, timeout: float) -> None:
+    def __init__(self, connections: int, timeout: float, api_key: str | None = None) -> None:
         self._connections = connections
+        self._headers = bearer(api_key)  # sent with every request unless it sends its own
         # Between bytes, not in all: a long generation streams for minutes.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.CONNECT_TIMEOUT,
                                               sock_read=timeout)
@@ -218,9 +223,11 @@ class Connections:
 
     async def __aenter__(self) -> Connections:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._connections), timeout=self._timeout)
+            connector=aiohttp.TCPConnector(limit=self._connections), timeout=self._timeout,
+            headers=self._headers)
         self.unpooled = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(force_close=True), timeout=self._timeout)
+            connector=aiohttp.TCPConnector(force_close=True), timeout=self._timeout,
+            headers=self._headers)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -229,13 +236,16 @@ class Connections:
 
 
 class HttpTarget:
-    """One OpenAI-compatible server: sends a prompt, returns its RequestResult, never raises."""
+    """One OpenAI-compatible server: sends a prompt, returns its RequestResult, never raises.
+    With `api_key`, each request sends it as its user's (a server without keys ignores it)."""
 
-    def __init__(self, url: str, model: str, load: LoadSettings, connections: Connections):
+    def __init__(self, url: str, model: str, load: LoadSettings, connections: Connections,
+                 api_key: str | None = None):
         self.url = url.rstrip("/")
         self.model = model
         self.load = load
         self.connections = connections
+        self.headers = bearer(api_key)
         path = "/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions"
         self.endpoint_url = self.url + path
 
@@ -281,11 +291,15 @@ class HttpTarget:
         body = self.body(prompt)
         connections = self.connections
         try:
-            resp, resent = await connections.session.post(self.endpoint_url, json=body), False
+            resp = await connections.session.post(self.endpoint_url, json=body,
+                                                  headers=self.headers)
+            resent = False
         except aiohttp.ClientConnectorError:  # no connection at all: nothing to send again
             raise
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            resp, resent = await connections.unpooled.post(self.endpoint_url, json=body), True
+            resp = await connections.unpooled.post(self.endpoint_url, json=body,
+                                                   headers=self.headers)
+            resent = True
         async with resp:
             yield resp, resent
             # One pass of the event loop before the caller's next request: where the server

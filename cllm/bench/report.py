@@ -96,7 +96,14 @@ def header(report: dict) -> str:
     m, s = report["machine"], report["settings"]
     flags = ", ".join(f"{name} {'yes' if on else 'no'}"
                       for name, on in (m.get("cpu_flags") or {}).items())
+    machine = (f"CPU: {m.get('cpu')}, {m.get('nproc')} cores ({flags or 'flags unknown'}); "
+               f"GPU: {', '.join(m.get('gpu') or []) or 'none'}")
     workload = s.get("workload", "standard")
+    if workload == "mixed-users":
+        weights = ":".join(f"{w:g}" for w in s.get("weights") or ())
+        return (f"{machine}\nworkload: mixed-users ({s.get('users_shape')}, weights {weights}); "
+                f"prompts of about {s.get('prompt_tokens')} tokens × {s.get('max_tokens')} "
+                f"tokens, {s.get('parallel')} slots")
     documents = s.get("documents") or 1
     detail = {"shared-prefix": (f", {documents} documents" if documents > 1 else ", document")
               + f" of {s.get('prefix_tokens')} tokens",
@@ -106,8 +113,7 @@ def header(report: dict) -> str:
     slo = s.get("goodput")
     goodput = ("; goodput SLO " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo.items())
                if slo else "")
-    return (f"CPU: {m.get('cpu')}, {m.get('nproc')} cores ({flags or 'flags unknown'}); "
-            f"GPU: {', '.join(m.get('gpu') or []) or 'none'}\n"
+    return (f"{machine}\n"
             f"workload: {workload}{detail}; {s.get('requests')} requests × {output} a level"
             f"{goodput}")
 
@@ -131,10 +137,18 @@ def level_label(run: dict) -> str:
 
 
 def table(runs: list[dict]) -> str:
+    """The levels' table, then mixed-users' runs in a table of their own."""
+    levels = [run for run in runs if "metrics" in run]
+    by_user = [run for run in runs if "users" in run]
+    return "\n\n".join(([levels_table(levels)] if levels else [])
+                       + ([users_table(by_user)] if by_user else []))
+
+
+def levels_table(runs: list[dict]) -> str:
     """A compact table: one row per server, level and run, latencies in milliseconds; goodput
     when SLOs were given; the share of prompt tokens served from cache last ("-": the server
     did not say). With several runs, their spread follows."""
-    lines = [" ".join(f"{name:>{width}}" for name, width, _ in _COLUMNS)]
+    lines = [_heads(_COLUMNS)]
     for run in runs:
         m = run["metrics"]
         values = (run["server"], level_label(run), m["completed"], m["failed"],
@@ -144,8 +158,7 @@ def table(runs: list[dict]) -> str:
                   (m.get("itl_token_ms") or {}).get("p50"), m.get("tokens_per_event"),
                   m["e2el_ms"]["p50"],
                   (m.get("goodput") or {}).get("request_goodput"), m.get("cached_share"))
-        lines.append(" ".join(f"{_cell(fmt, v):>{width}}"
-                              for (_, width, fmt), v in zip(_COLUMNS, values)))
+        lines.append(_row(_COLUMNS, values))
         if "turns" in m:
             lines.append("    " + _turns_line(m))
         for reason, count in m["failures"].items():
@@ -154,6 +167,60 @@ def table(runs: list[dict]) -> str:
             lines.append(f"    the client itself used {run['client_cpu_share']:.0%} of a core: "
                          "these figures may be its limit, not the server's")
     return "\n".join(lines + spread(runs))
+
+
+_USER_COLUMNS = (("server", 20, "{}"), ("shape", 11, "{}"), ("user", 6, "{}"),
+                 ("weight", 6, "{:g}"), ("phase", 10, "{}"), ("ok", 4, "{}"), ("fail", 4, "{}"),
+                 ("tok/s", 8, "{:.1f}"), ("ttft p50", 9, "{:.1f}"), ("ttft p99", 9, "{:.1f}"),
+                 ("tpot p50", 9, "{:.2f}"), ("share", 7, "{:.1%}"))
+
+
+def users_table(runs: list[dict]) -> str:
+    """mixed-users: a row per server, user and phase (latencies in milliseconds; share: of
+    the output tokens while both users had requests waiting), each run's targets below."""
+    lines = [_heads(_USER_COLUMNS)]
+    for run in runs:
+        for user, figures in run["users"].items():
+            for phase, m in figures["phases"].items():
+                lines.append(_row(_USER_COLUMNS, (
+                    run["server"], run["shape"], user, figures["weight"], phase, m["completed"],
+                    m["failed"], m["output_throughput"], m["ttft_ms"]["p50"],
+                    m["ttft_ms"]["p99"], m["tpot_ms"]["p50"], figures.get("share"))))
+                lines += [f"    {count} × {reason}" for reason, count in m["failures"].items()]
+        lines.append(users_targets(run))
+    return "\n".join(lines)
+
+
+def users_targets(run: dict) -> str:
+    """A mixed-users run's targets and whether it met them."""
+    t = run["targets"]
+    if run["shape"] == "batch-chat":
+        return (f"    the person's TTFT p99 beside the batch {_ms(t['chat_ttft_p99_ms'])}, "
+                f"target ≤ {t['chat_ttft_idle_times']:g} × idle "
+                f"{_ms(t['chat_ttft_p99_idle_ms'])} + a decode step {_ms(t['decode_step_ms'])}"
+                f" = {_ms(t['chat_ttft_p99_bound_ms'])}: {_met(t['chat_ttft_met'])}; the batch "
+                f"keeps {_cell('{:.2f}', t['batch_kept'])} of its throughput alone (target ≥ "
+                f"{t['batch_kept_min']:.2f}): {_met(t['batch_kept_met'])}")
+    shares = ", ".join(f"{user} {_cell('{:.1%}', f['share'])} (target {f['target_share']:.0%})"
+                       for user, f in run["users"].items())
+    return (f"    shares while both had requests waiting ({_cell('{:.1f}', run['window_s'])} s):"
+            f" {shares}, within ±{100 * t['share_points']:g} points: {_met(t['shares_met'])}")
+
+
+def _ms(value: float | None) -> str:
+    return _cell("{:.1f} ms", value)
+
+
+def _met(met: bool | None) -> str:
+    return "unknown" if met is None else "met" if met else "not met"
+
+
+def _heads(columns: tuple) -> str:
+    return " ".join(f"{name:>{width}}" for name, width, _ in columns)
+
+
+def _row(columns: tuple, values: tuple) -> str:
+    return " ".join(f"{_cell(fmt, v):>{width}}" for (_, width, fmt), v in zip(columns, values))
 
 
 def spread(runs: list[dict]) -> list[str]:
@@ -198,7 +265,10 @@ def _cell(fmt: str, value: object) -> str:
 def plot(reports: list[dict], path: Path, join: bool = False) -> Path | None:
     """Output throughput and TTFT p50 against the level (concurrency, or request rate for
     open-loop levels; all-at-once rates are left out), one line per server and report, or
-    with `join` one line per server across the reports (a sweep run one level a report)."""
+    with `join` one line per server across the reports (a sweep run one level a report).
+    None when no report has levels (mixed-users' runs are not plotted)."""
+    if not any("metrics" in run for report in reports for run in report["runs"]):
+        return None
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -236,7 +306,7 @@ def _series(reports: list[dict], join: bool) -> dict[str, list[dict]]:
         named = len(reports) > 1 and not join
         suffix = f" ({report.get('tag') or report['date']})" if named else ""
         for run in report["runs"]:
-            if math.isfinite(_x(run)):
+            if "metrics" in run and math.isfinite(_x(run)):
                 series.setdefault(run["server"] + suffix, []).append(run)
     return {label: sorted(runs, key=_x) for label, runs in series.items()}
 

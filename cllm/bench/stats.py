@@ -8,6 +8,7 @@ Beyond vLLM's: the share of prompt tokens the servers took from their cache, and
 conversations the figures of each turn."""
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -88,6 +89,20 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "cached_share": cached_share(ok),
         **({"goodput": goodput(ok, len(results), duration, slo)} if slo else {}),
     }
+
+
+def tokens_by(r: RequestResult, moment: float) -> float:
+    """A completed request's output tokens that had reached the client by `moment`: a
+    stream's first event one, each later event an even part of the rest (as token_gaps spreads
+    them); a reply not streamed, all of them at its end."""
+    if not r.ok or r.ttft is None:
+        return 0.0
+    if not r.streamed:
+        return float(r.output_tokens) if r.end <= moment else 0.0
+    events = sum(t <= moment for t in itertools.accumulate(r.itl, initial=r.start + r.ttft))
+    if events == 0 or not r.itl:
+        return float(r.output_tokens) if events else 0.0
+    return 1 + (events - 1) * (r.output_tokens - 1) / len(r.itl)
 
 
 def tokens_per_event(results: Sequence[RequestResult]) -> float | None:

@@ -9,7 +9,8 @@ multi-turn: conversations over the chat endpoint; each turn resends the whole hi
 server's own replies, so a server that reuses its cache answers later turns sooner.
 structured: the default prompts as support tickets to triage over the chat endpoint; each server
 is measured free (ignore_eos), constrained by prompts.TICKET_SCHEMA (response_format), then free
-with each reply as long as its constrained one (loadgen.ReplyLengths)."""
+with each reply as long as its constrained one (loadgen.ReplyLengths).
+mixed-users: two users on one server, each with its own API key; its plans are users.py's."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,8 @@ from . import prompts as prompt_sets
 from .loadgen import Level, Prompt, RequestResult, Sender, Sized, run_jobs, run_level, run_open_loop
 from .stats import by_turn
 
-WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed", "sharegpt", "structured")
+WORKLOADS = ("standard", "shared-prefix", "multi-turn", "mixed", "sharegpt", "structured",
+             "mixed-users")
 MIXED_TOKENS = (16, 4000)
 SKIPPED = "not sent: an earlier turn of its conversation failed"
 
