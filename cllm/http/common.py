@@ -282,29 +282,38 @@ def for_caller(sampling: SamplingParams, key: ApiKey | None) -> SamplingParams:
 async def respond(request: Request, fmt: Format, prompt: list[int], sampling: SamplingParams,
                   n: int, stream: bool, include_usage: bool, cache_prompt: bool) -> Response:
     """Submit n sequences for one request and answer it, streamed or whole."""
+    return await respond_batch(request, fmt, [prompt], sampling, n, stream, include_usage,
+                               cache_prompt)
+
+
+async def respond_batch(request: Request, fmt: Format, prompts: list[list[int]],
+                        sampling: SamplingParams, n: int, stream: bool, include_usage: bool,
+                        cache_prompt: bool) -> Response:
+    """Submit n sequences for each prompt and answer them together, streamed or whole: choice
+    prompt index * n + i, as OpenAI answers a batch of prompts; all run in the engine at once."""
     state: AppState = request.app.state.cllm
     engine = state.require_engine()
-    if not prompt:  # text such as "\x1d" can tokenize to nothing
-        raise APIError(400, "the prompt has no tokens", param="prompt")
-    if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
-        raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
+    for prompt in prompts:
+        _check_prompt(engine, prompt)
     key = request.scope.get("state", {}).get(KEY_STATE)
     sampling = for_caller(sampling, key)
-    state.quotas.admit(key, n)
+    total = len(prompts) * n
+    state.quotas.admit(key, total)
     streams = []
     # A whole response reads only the sum of the deltas: they may come as the engine makes them.
     interval = state.config.stream_interval if stream else None
+    on_end = functools.partial(state.sequence_ended, sampling, key)
     try:
-        for i in range(n):
-            streams.append(engine.submit(prompt, sampling.for_choice(i), f"{fmt.request_id}-{i}",
-                                         on_end=functools.partial(state.sequence_ended, sampling,
-                                                                  key),
-                                         cache_prompt=cache_prompt,
-                                         stream_interval=interval))
+        for prompt in prompts:
+            for i in range(n):
+                streams.append(engine.submit(prompt, sampling.for_choice(i),
+                                             f"{fmt.request_id}-{len(streams)}", on_end=on_end,
+                                             cache_prompt=cache_prompt,
+                                             stream_interval=interval))
     except BaseException as exc:  # nothing submitted may decode on with nobody reading it
         for s in streams:
             s.abort()
-        for _ in range(n - len(streams)):  # never submitted: out of flight at once
+        for _ in range(total - len(streams)):  # never submitted: out of flight at once
             state.quotas.ended(key, 0)
         if isinstance(exc, PromptTooLongError):
             raise APIError(400, str(exc), code="context_length_exceeded",
@@ -317,6 +326,13 @@ async def respond(request: Request, fmt: Format, prompt: list[int], sampling: Sa
         await until_disconnect(request, generation.first_event())
         return SSEResponse(generation.sse(include_usage))
     return JSONResponse(await until_disconnect(request, generation.collect()))
+
+
+def _check_prompt(engine: Engine, prompt: list[int]) -> None:
+    if not prompt:  # text such as "\x1d" can tokenize to nothing
+        raise APIError(400, "the prompt has no tokens", param="prompt")
+    if max(prompt) >= engine.model.n_vocab or min(prompt) < 0:
+        raise APIError(400, f"token ids must be in [0, {engine.model.n_vocab})", param="prompt")
 
 
 def new_format(cls, request: Request, prefix: str, sampling: SamplingParams,

@@ -39,12 +39,14 @@ class Choice:
             self.completion_tokens = delta.completion_tokens
 
 
-def usage(choices: list[Choice]) -> dict:
-    """One prompt for all n choices, counted once, as OpenAI does (and its cache hits as the
-    first choice found them)."""
-    return responses.usage_dict(choices[0].prompt_tokens,
+def usage(choices: list[Choice], per_prompt: int | None = None) -> dict:
+    """Each prompt counted once for its choices, as OpenAI does (and its cache hits as its first
+    choice found them): one prompt for all the choices, or a batch's prompts of `per_prompt`
+    choices each, summed."""
+    firsts = choices[::per_prompt] if per_prompt else choices[:1]
+    return responses.usage_dict(sum(c.prompt_tokens for c in firsts),
                                 sum(c.completion_tokens for c in choices),
-                                choices[0].cached_tokens)
+                                sum(c.cached_tokens for c in firsts))
 
 
 def matched_stop(text: str, stops: tuple[str, ...]) -> str | None:
@@ -95,6 +97,9 @@ class Format:
         """What ends a streamed response after its last chunk; OpenAI's APIs send [DONE]."""
         return responses.sse_event("[DONE]")
 
+    def usage(self, choices: list[Choice]) -> dict:
+        return usage(choices)
+
     def usage_chunk(self, usage_: dict) -> dict | None:
         return responses.usage_chunk(self.request_id, self.model, self.created, usage_,
                                      chat=self.chat)
@@ -121,8 +126,12 @@ class TypedEventsFormat(Format):
 
 
 class CompletionFormat(Format):
-    def __init__(self, *args, **kwargs) -> None:
+    """Its choices answer one prompt or a batch: `n` choices a prompt, choice prompt index * n
+    + i, as OpenAI's; `prompt_token_ids` holds each prompt's ids."""
+
+    def __init__(self, *args, n: int = 1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.n = n
         # Streamed: each choice's, chunk after chunk, made on its first (setdefault would make
         # an incremental decoder for every token: 3 of the event loop's 116 py-spy samples).
         self._offsets: defaultdict[int, TextOffsets] = defaultdict(TextOffsets)
@@ -148,12 +157,15 @@ class CompletionFormat(Format):
             self._add_token_ids(chunk["choices"][0], delta.token_ids, first)
         return [chunk]
 
+    def usage(self, choices: list[Choice]) -> dict:
+        return usage(choices, self.n)
+
     def response(self, choices: list[Choice]) -> dict:
         body = responses.completion_response(
             self.request_id, self.model, self.created,
             [responses.completion_choice(i, c.text, c.finish_reason,
                                          self._logprobs(c.logprobs, TextOffsets()))
-             for i, c in enumerate(choices)], usage(choices))
+             for i, c in enumerate(choices)], self.usage(choices))
         if self.prompt_token_ids is not None:
             for out, choice in zip(body["choices"], choices):
                 self._add_token_ids(out, choice.token_ids, True)
@@ -162,7 +174,7 @@ class CompletionFormat(Format):
     def _add_token_ids(self, choice: dict, token_ids: list[int], with_prompt: bool) -> None:
         # vLLM puts a completion's prompt ids in each choice (in its first chunk when streamed).
         if with_prompt:
-            choice["prompt_token_ids"] = self.prompt_token_ids
+            choice["prompt_token_ids"] = self.prompt_token_ids[choice["index"] // self.n]
         choice["token_ids"] = token_ids
 
 

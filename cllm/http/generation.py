@@ -15,7 +15,7 @@ from cllm.engine.sequence import (
     FINISH_TIMEOUT,
 )
 from cllm.errors import APIError
-from cllm.http.formats import Choice, Format, usage
+from cllm.http.formats import Choice, Format
 
 # Reasons a sequence ends without a usable result, as HTTP errors.
 _FAILURES = {
@@ -127,7 +127,8 @@ class Generation:
                 if failed:
                     break
             else:
-                usage_chunk = self.fmt.usage_chunk(usage(choices)) if include_usage else None
+                usage_chunk = (self.fmt.usage_chunk(self.fmt.usage(choices)) if include_usage
+                               else None)
                 if usage_chunk is not None:
                     yield self.fmt.event(usage_chunk)
             done = self.fmt.done_event()

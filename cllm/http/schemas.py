@@ -18,6 +18,9 @@ from cllm.http.tools import Tool, ToolSpec
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID = (1 << 31) - 1  # llama_token is int32
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions and /generate
+# The choices (prompts × n) a batch of prompts on /v1/completions makes at most, or max_n where
+# that is higher: each is a sequence in the engine. LangChain's batches send 20 prompts.
+MAX_BATCH_CHOICES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +35,9 @@ class Constraint:
 
 @dataclass(slots=True)
 class CompletionRequest:
-    """POST /v1/completions."""
+    """POST /v1/completions: n choices for each prompt, prompt after prompt."""
     model: str | None
-    prompt: str | list[int]  # one prompt: text, or token ids
+    prompts: list[str | list[int]]  # each text or token ids; several are a batch
     n: int
     stream: bool
     include_usage: bool  # stream_options.include_usage
@@ -429,16 +432,43 @@ def read_prompt(value: object) -> str | list[int]:
     raise _invalid("prompt", "prompt must be a non-empty string or array of token ids")
 
 
+def read_prompts(value: object) -> list[str | list[int]]:
+    """/v1/completions' prompt: one (read_prompt), or a batch, as OpenAI takes it: an array of
+    texts or of token-id arrays."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list))
+                                                          for p in value):
+        return [_batch_prompt(i, p) for i, p in enumerate(value)]
+    return [read_prompt(value)]
+
+
+def _batch_prompt(i: int, value: str | list) -> str | list[int]:
+    if (isinstance(value, str) and value
+            or isinstance(value, list) and value and all(is_token(t) for t in value)):
+        return value
+    raise _invalid("prompt", f"prompt[{i}] must be a non-empty string or array of token ids "
+                   f"from 0 to {MAX_TOKEN_ID}")
+
+
+def _batch_n(body: dict, prompts: int, max_n: int) -> int:
+    """n, bounded by max_n; with a batch of prompts, prompts × n by MAX_BATCH_CHOICES too."""
+    n = read_count(body, "n", 1, max_n, 1)
+    limit = max(MAX_BATCH_CHOICES, max_n)
+    if prompts > 1 and prompts * n > limit:
+        raise _invalid("prompt", f"prompt: {prompts} prompts with n {n} make {prompts * n} "
+                       f"choices; a request makes at most {limit}")
+    return n
+
+
 def parse_completion(body: dict, *, max_n: int, max_tokens_limit: int) -> CompletionRequest:
-    prompt = read_prompt(body.get("prompt"))
+    prompts = read_prompts(body.get("prompt"))
     refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_COMPLETIONS)
     max_tokens = read_max_tokens(body, "max_tokens", max_tokens_limit,
                                  min(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_limit))
     logprobs = read_count(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
     stream, include_usage = _stream(body)
     return CompletionRequest(
-        model=read_field(body, "model", "a string"), prompt=prompt,
-        n=read_count(body, "n", 1, max_n, 1), stream=stream, include_usage=include_usage,
+        model=read_field(body, "model", "a string"), prompts=prompts,
+        n=_batch_n(body, len(prompts), max_n), stream=stream, include_usage=include_usage,
         sampling=read_sampling(body, max_tokens, logprobs),
         cache_prompt=read_cache_prompt(body), return_token_ids=_return_token_ids(body),
         constraint=read_constraint(body))

@@ -14,6 +14,7 @@ from cllm.http.common import (
     new_format,
     read_json,
     respond,
+    respond_batch,
     tokenize_text,
 )
 from cllm.http.formats import ChatFormat, CompletionFormat
@@ -27,12 +28,13 @@ async def completions(request: Request, state: AppState) -> Response:
     req = schemas.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
-    prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
-        request, engine, req.prompt, add_special=True)
-    fmt = new_format(CompletionFormat, request, "cmpl", sampling,
-                     prompt_token_ids=prompt if req.return_token_ids else None)
-    return await respond(request, fmt, prompt, sampling, req.n, req.stream, req.include_usage,
-                         req.cache_prompt)
+    prompts = [p if isinstance(p, list) else await tokenize_text(request, engine, p,
+                                                                 add_special=True)
+               for p in req.prompts]
+    fmt = new_format(CompletionFormat, request, "cmpl", sampling, n=req.n,
+                     prompt_token_ids=prompts if req.return_token_ids else None)
+    return await respond_batch(request, fmt, prompts, sampling, req.n, req.stream,
+                               req.include_usage, req.cache_prompt)
 
 
 async def chat_completions(request: Request, state: AppState) -> Response:

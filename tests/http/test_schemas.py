@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from cllm.config import SamplingParams
 from cllm.errors import APIError
 from cllm.http.schemas import (
+    MAX_BATCH_CHOICES,
     ChatRequest,
     CompletionRequest,
     GenerateRequest,
@@ -94,7 +95,7 @@ def test_json_body_rejections(raw, words):
 
 def test_completion_defaults():
     req = completion()
-    assert req == CompletionRequest(model=None, prompt="Hello", n=1, stream=False,
+    assert req == CompletionRequest(model=None, prompts=["Hello"], n=1, stream=False,
                                     include_usage=False, sampling=SamplingParams())
     assert req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0
 
@@ -141,24 +142,38 @@ def test_include_usage_only_when_streaming():
 
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("text", "text"),
-    (["text"], "text"),
-    ([1, 2, 3], [1, 2, 3]),
-    ([[0, 7]], [0, 7]),
-    ([2**31 - 1], [2**31 - 1]),
+    ("text", ["text"]),
+    (["text"], ["text"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[0, 7]], [[0, 7]]),
+    ([2**31 - 1], [[2**31 - 1]]),
+    (["a", "b"], ["a", "b"]),                     # a batch, as OpenAI's SDK sends a list
+    ([[1], [2, 3]], [[1], [2, 3]]),
+    (["a", [5]], ["a", [5]]),
 ])
 def test_completion_prompt_forms(prompt, expected):
-    assert completion(prompt=prompt).prompt == expected
+    assert completion(prompt=prompt).prompts == expected
 
 
 @pytest.mark.parametrize("prompt", [
     None, "", [], [""], [[]], 5, True, {"text": "x"},
-    ["a", "b"], [[1], [2]],          # several prompts in one request
     [1, -1], [1, 2**31], [1, True], [1, 2.0], [1, "2"], [10**30],
+    ["a", ""], ["a", []], [[1], [-1]], [["a"], "b"], ["a", 5], [[1], [True]],
 ])
 def test_completion_bad_prompts(prompt):
     body = {} if prompt is None else {"prompt": prompt}
     rejects(lambda: parse_completion(body, **LIMITS), "prompt")
+
+
+def test_a_batch_makes_at_most_max_batch_choices():
+    """prompts × n choices: up to MAX_BATCH_CHOICES (or max_n, if higher); past it a 400
+    naming prompt. n alone stays bounded by max_n."""
+    limit = max(MAX_BATCH_CHOICES, LIMITS["max_n"])
+    assert len(completion(prompt=["x"] * limit).prompts) == limit
+    assert completion(prompt=["x"] * (limit // 2), n=2).n == 2
+    err = rejects(lambda: completion(prompt=["x"] * (limit // 2 + 1), n=2), "prompt")
+    assert str(limit) in err.message
+    rejects(lambda: completion(prompt=["x"] * (limit + 1)), "prompt")
 
 
 @pytest.mark.parametrize("field, value", [
