@@ -23,9 +23,13 @@ def access_checks(config: ServerConfig) -> list[Middleware]:
     return []
 
 
+# Anthropic's routes, whose clients send their key as X-Api-Key.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every route but the public ones (/health, the chat
-    page's files), compared in constant time; on /v1/messages `X-Api-Key: <key>` too, as
+    page's files), compared in constant time; on Anthropic's routes `X-Api-Key: <key>` too, as
     Anthropic's clients send it. The matching key's entry goes to the request's state
     (`KEY_STATE`): whose request it is, for the fair shares."""
 
@@ -39,7 +43,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in self.public_paths:
             headers = dict(scope["headers"])
             match = self._match(headers.get(b"authorization", b""),
-                                headers.get(b"x-api-key") if scope["path"] == "/v1/messages"
+                                headers.get(b"x-api-key") if scope["path"] in ANTHROPIC_PATHS
                                 else None)
             if match is None:
                 error = APIError(401, "missing or wrong API key", type="authentication_error",

@@ -72,6 +72,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         post("/v1/embeddings", embeddings.embeddings),
         post("/v1/responses", openai_responses.create_response),
         post("/v1/messages", anthropic.create_message, error_body=anthropic_error),
+        post("/v1/messages/count_tokens", anthropic.count_tokens, error_body=anthropic_error),
         get("/", webui.page), get("/ui/{name}", webui.asset), get("/status", webui.status),
     ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan,
         middleware=access_checks(config))

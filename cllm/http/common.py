@@ -383,7 +383,7 @@ def guarded(handler, error_body=APIError.body):
 
 
 def error_shape(path: str):
-    """The error body of a route: /generate keeps the original API's, /v1/messages has
-    Anthropic's."""
-    return {"/generate": GenerateFormat.error_body_of,
-            "/v1/messages": anthropic_error}.get(path, APIError.body)
+    """The error body of a route: /generate keeps the original API's, /v1/messages (and its
+    count_tokens) has Anthropic's."""
+    return {"/generate": GenerateFormat.error_body_of, "/v1/messages": anthropic_error,
+            "/v1/messages/count_tokens": anthropic_error}.get(path, APIError.body)

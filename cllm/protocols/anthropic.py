@@ -1,4 +1,4 @@
-"""POST /v1/messages: Anthropic's Messages API for text, whole or streamed as its events, with
+"""POST /v1/messages: Anthropic's Messages API for text (and /v1/messages/count_tokens), whole or streamed as its events, with
 its error shape. Clients written for Claude (the `anthropic` SDK, tools built on it) run
 unchanged against the local model."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from cllm.config import SamplingParams
 from cllm.engine.engine import Delta
@@ -30,21 +30,7 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
     """messages (user and assistant turns, text content), system, max_tokens (required),
     temperature, top_p, top_k, stop_sequences, stream, and structured output
     (output_config.format)."""
-    if body.get("tools"):
-        raise APIError(400, "tools are not supported", param="tools")
-    if isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "enabled":
-        raise APIError(400, "extended thinking is not supported", param="thinking")
-    turns = body.get("messages")
-    if not isinstance(turns, list) or not turns:
-        raise APIError(400, "messages must be a non-empty array", param="messages")
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
-            raise APIError(400, f"messages[{i}].role must be user or assistant",
-                           param="messages")
-    system = body.get("system")
-    if system is not None:
-        turns = [{"role": "system", "content": system}, *turns]
-    messages = schemas.read_messages(turns)  # text blocks are chat's text parts
+    messages = read_conversation(body)
     max_tokens = schemas.read_max_tokens(body, "max_tokens", max_tokens_limit, None)
     if max_tokens is None:
         raise APIError(400, "max_tokens is required", param="max_tokens")
@@ -59,6 +45,26 @@ def parse_request(body: dict, *, max_tokens_limit: int) -> MessagesRequest:
     sampling = schemas.read_sampling(fields, max_tokens, None, stop_field="stop_sequences")
     stream = schemas.read_field(body, "stream", "a boolean", False)
     return MessagesRequest(messages, stream, sampling, _output_format(body))
+
+
+def read_conversation(body: dict) -> list[dict]:
+    """messages (user and assistant turns, text content) and system, as chat messages, the
+    system prompt first if any; tools and extended thinking are refused."""
+    if body.get("tools"):
+        raise APIError(400, "tools are not supported", param="tools")
+    if isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "enabled":
+        raise APIError(400, "extended thinking is not supported", param="thinking")
+    turns = body.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise APIError(400, "messages must be a non-empty array", param="messages")
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
+            raise APIError(400, f"messages[{i}].role must be user or assistant",
+                           param="messages")
+    system = body.get("system")
+    if system is not None:
+        turns = [{"role": "system", "content": system}, *turns]
+    return schemas.read_messages(turns)  # text blocks are chat's text parts
 
 
 def _output_format(body: dict) -> schemas.Constraint | None:
@@ -160,3 +166,12 @@ async def create_message(request: Request, state: AppState) -> Response:
                      stops=sampling.stop, is_eog=engine.model.is_eog,
                      detokenize=engine.model.detokenize)
     return await respond(request, fmt, prompt, sampling, 1, req.stream, False, True)
+
+
+async def count_tokens(request: Request, state: AppState) -> Response:
+    """POST /v1/messages/count_tokens: {"input_tokens": N}, the tokens the conversation's
+    prompt would take, as a message would read it."""
+    body = await read_json(request, state.config)
+    engine = state.engine_for(body)
+    prompt = await chat_prompt(request, engine, read_conversation(body))
+    return JSONResponse({"input_tokens": len(prompt)})

@@ -183,3 +183,13 @@ def test_errors_have_anthropics_shape(client, server):
         with pytest.raises(anthropic.AuthenticationError) as info:
             bad.messages.create(model=MODEL, max_tokens=1, messages=TURNS)
     assert info.value.body["error"]["type"] == "authentication_error"
+
+
+def test_count_tokens_counts_what_a_message_would_read(client):
+    system = "Be brief."
+    m = client.messages.create(model=MODEL, max_tokens=1, messages=TURNS, system=system)
+    counted = client.messages.count_tokens(model=MODEL, messages=TURNS, system=system)
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.count_tokens(model=MODEL, messages=[])
+    assert info.value.body["error"]["type"] == "invalid_request_error"
