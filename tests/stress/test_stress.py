@@ -43,7 +43,8 @@ HOSTILE = [
     ("wrong messages", b'{"messages": "Hi", "prompt": {"a": 1}}', "4xx"),
     ("max_tokens string", b'{"prompt": "Hi", "messages": [], "max_tokens": "10"}', "4xx"),
     ("1e400", b'{"prompt": "Hi", "temperature": 1e400, "max_tokens": 2}', "4xx"),
-    ("10**30 max_tokens", b'{"prompt": "Hi", "max_tokens": ' + str(10**30).encode() + b"}", "4xx"),
+    # clamped to the context, as llama-server does
+    ("10**30 max_tokens", b'{"prompt": "Hi", "max_tokens": ' + str(10**30).encode() + b"}", "ok"),
     ("10**30 temperature", b'{"prompt": "Hi", "temperature": ' + str(10**30).encode() + b"}",
      "4xx"),
     ("10**30 seed", b'{"prompt": "Hi", "max_tokens": 2, "seed": ' + str(10**30).encode() + b"}",
