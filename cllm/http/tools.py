@@ -143,10 +143,15 @@ def new_call(name: str, arguments: object) -> dict:
 class CallParser:
     """Splits a reply into content and tool calls as its text arrives. Text that may be the
     start of a call is held back until it is known; a block that is not a valid call stays
-    content."""
+    content. Whitespace around calls is layout, not content: the content's whitespace at its
+    end waits for more content, and is dropped where the reply ends after calls; content that
+    starts after a call loses its leading whitespace. A whole reply (split_reply) goes through
+    the same rules, so streamed and whole content agree."""
 
     def __init__(self) -> None:
         self._held = ""  # text not yet given out: a possible or an open <tool_call> block
+        self._space = ""  # whitespace at the end of the content given out so far
+        self._said = False  # whether any content other than whitespace was given out
         self.calls: list[dict] = []
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -157,29 +162,41 @@ class CallParser:
             start = self._held.find(OPEN)
             if start < 0:
                 keep = _partial_suffix(self._held, OPEN)
-                content.append(self._held[:len(self._held) - keep])
+                content.append(self._content(self._held[:len(self._held) - keep]))
                 self._held = self._held[len(self._held) - keep:]
                 break
             end = self._held.find(CLOSE, start)
             if end < 0:
-                content.append(self._held[:start])
+                content.append(self._content(self._held[:start]))
                 self._held = self._held[start:]
                 break
             block = self._held[start:end + len(CLOSE)]
             call = _parse_call(block[len(OPEN):-len(CLOSE)])
-            content.append(self._held[:start] if call else self._held[:end + len(CLOSE)])
+            content.append(self._content(self._held[:start] if call
+                                         else self._held[:end + len(CLOSE)]))
             if call:
                 calls.append(call)
+                self.calls.append(call)
             self._held = self._held[end + len(CLOSE):]
-        self.calls += calls
-        text = "".join(content)
-        # Once there are calls, the newlines between and around them are layout, not content.
-        return ("" if self.calls and not text.strip() else text), calls
+        return "".join(content), calls
 
     def close(self) -> str:
-        """What is left once the reply has ended: an unfinished block is content."""
+        """What is left once the reply has ended: an unfinished block is content, and the
+        whitespace still waiting is content unless the reply made calls."""
         held, self._held = self._held, ""
-        return held
+        text = self._content(held)
+        space, self._space = self._space, ""
+        return text if self.calls else text + space
+
+    def _content(self, text: str) -> str:
+        """The content to give out now of `text`, which follows what was given out."""
+        text = self._space + text
+        if self.calls and not self._said:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._space = text[len(body):]
+        self._said = self._said or bool(body)
+        return body
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -212,5 +229,4 @@ def split_reply(text: str) -> tuple[str, list[dict]]:
     """A whole reply as (content, tool calls)."""
     parser = CallParser()
     content, calls = parser.feed(text)
-    content += parser.close()
-    return (content.strip() if calls else content), calls
+    return content + parser.close(), calls

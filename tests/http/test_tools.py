@@ -80,8 +80,16 @@ def test_a_reply_whose_call_is_nested_past_the_recursion_limit_stays_content(arg
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 100])
-def test_streamed_pieces_give_the_same_content_and_calls(size):
-    text = f"Sure. {CALL}\n{CALL.replace('Paris', 'Rome')}"
+@pytest.mark.parametrize("before, between, after, expected", [
+    ("Sure. ", "\n", "", "Sure."),
+    ("Sure. \n", " \n ", "\n", "Sure."),
+    ("", "\n", " Done. ", "Done."),
+    ("One moment. ", " And ", "", "One moment.  And"),
+])
+def test_streamed_pieces_give_the_same_content_and_calls(size, before, between, after,
+                                                         expected):
+    """The streamed content is the whole reply's, whitespace next to calls included."""
+    text = f"{before}{CALL}{between}{CALL.replace('Paris', 'Rome')}{after}"
     parser = CallParser()
     content, calls = "", []
     for i in range(0, len(text), size):
@@ -90,7 +98,7 @@ def test_streamed_pieces_give_the_same_content_and_calls(size):
         assert "<" not in piece  # nothing of a call leaks into the content
     content += parser.close()
     whole_content, whole_calls = split_reply(text)
-    assert content.strip() == whole_content == "Sure."
+    assert content == whole_content == expected
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
     assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
 
