@@ -103,6 +103,8 @@ def test_chat_streams_stops_and_reports(server, browser):
                      "streamed text while the reply runs")
     wait_for(browser, lambda d: d.find_element(By.ID, "status-running").text == "1",
              "one running request in the live panel")
+    wait_for(browser, lambda d: d.find_element(By.ID, "status-users").text == "none: 1 running",
+             "the page's own request, of no named user, among the users' shares")
     grown = wait_for(browser, lambda d: len(replies(d)[0].find_element(
         By.CLASS_NAME, "text").text) > len(first) and replies(d)[0].find_element(
         By.CLASS_NAME, "text").text, "the reply growing")
@@ -113,6 +115,8 @@ def test_chat_streams_stops_and_reports(server, browser):
     assert stats.text.endswith("stopped") and int(stats.get_attribute("data-ttft-ms")) > 0
     wait_for(browser, lambda d: d.find_element(By.ID, "status-running").text == "0",
              "the stopped request gone from the live panel")
+    wait_for(browser, lambda d: d.find_element(By.ID, "status-users").text == "–",
+             "no user holding or awaiting a slot")
     assert httpx.get(server.url + "/status").json()["running"] == 0
 
     # A short second turn runs to its end, with the conversation so far as its prompt.

@@ -156,6 +156,13 @@ async function showModel() {
   }
 }
 
+// Each user's requests now, as the fair shares hand out slots: "alice: 2 running, 1 waiting".
+function usersText(users) {
+  const parts = Object.entries(users ?? {}).map(([user, count]) =>
+    `${user}: ${count.running} running` + (count.waiting ? `, ${count.waiting} waiting` : ""));
+  return parts.length ? parts.join("; ") : "–";
+}
+
 // The server's state; tokens/s from the change in its generated-token count between polls.
 let last = null;
 async function pollStatus() {
@@ -167,6 +174,7 @@ async function pollStatus() {
     $("status-running").textContent = status.running;
     $("status-waiting").textContent = status.waiting;
     $("status-kv").textContent = `${(100 * status.kv_usage).toFixed(1)}%`;
+    $("status-users").textContent = usersText(status.users);
     if (last) {
       const rate = (status.tokens_generated - last.tokens) / ((now - last.time) / 1000);
       $("status-tps").textContent = rate.toFixed(1);
