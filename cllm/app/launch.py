@@ -4,6 +4,7 @@ The command line (serve.py) and Ray's replicas (scaleout/ray_app.py) start serve
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cllm.config import ServerConfig, apply_cpu_wait
+from cllm.errors import APIError
 from cllm.models import resolve_model
 
 
@@ -76,16 +78,30 @@ KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle connection stays open between reques
 
 
 def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline for each request's headers. uvicorn times out only
-    idle keep-alive connections, and any byte received stops that clock: a client that stalls
-    mid-headers (slowloris) would hold its connection, and a file descriptor, forever."""
+    """uvicorn's h11 protocol with a deadline for each request's headers, and a bound on their
+    size. uvicorn times out only idle keep-alive connections, and any byte received stops that
+    clock: a client that stalls mid-headers (slowloris) would hold its connection, and a file
+    descriptor, forever. h11 bounds only headers still incomplete: a request whose line and
+    headers, over MAX_HEADER_BYTES, arrive in one read would pass; they get a 431 here."""
 
     class HeaderDeadlineProtocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _head: bytes | None = None  # a request's line and headers so far; None: past them
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._head is not None:
+                self._head += data
+                end = self._head.find(b"\r\n\r\n")
+                if (len(self._head) if end < 0 else end + 4) > MAX_HEADER_BYTES:
+                    self._refuse_headers()
+                    return
+                if end >= 0:
+                    self._head = None
+            super().data_received(data)
 
         def on_response_complete(self) -> None:
             self._arm()  # for the next request's headers on this connection
@@ -104,6 +120,17 @@ def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
             if self._deadline is not None:
                 self._deadline.cancel()
             self._deadline = self.loop.call_later(timeout, self.transport.close)
+            self._head = b""
+
+        def _refuse_headers(self) -> None:
+            body = json.dumps(APIError(431, f"the request line and headers exceed "
+                                       f"{MAX_HEADER_BYTES} bytes", code="headers_too_large"
+                                       ).body()).encode()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                                 b"content-type: application/json\r\nconnection: close\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+            self._head = None
 
     return HeaderDeadlineProtocol
 

@@ -635,7 +635,7 @@ def test_slow_clients_are_cut_off():
 
 
 def test_headers_without_end_are_refused_and_the_server_goes_on(server):
-    """A request whose headers keep coming is refused with a 400 once more than
+    """A request whose headers keep coming is refused with a 431 once more than
     launch.MAX_HEADER_BYTES of them wait incomplete, so no client grows the server's buffer
     without bound; a request under the cap is served."""
     reply = b""
@@ -651,11 +651,24 @@ def test_headers_without_end_are_refused_and_the_server_goes_on(server):
             reply = read_until_closed(sock, timeout=30)
         except ConnectionResetError:
             pass
-    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
     with socket.create_connection(("127.0.0.1", server.port)) as sock:  # under the cap
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"c" * 15_000
                      + b"\r\nConnection: close\r\n\r\n")
         assert read_until_closed(sock, timeout=30).startswith(b"HTTP/1.1 200 ")
+
+
+def test_headers_over_the_cap_in_one_write_are_a_431_and_the_server_goes_on(server):
+    """Headers past launch.MAX_HEADER_BYTES that arrive whole, in one read, are refused as
+    those that keep coming are (h11 bounds only incomplete ones)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 20_000
+                     + b"\r\n\r\n")
+        reply = read_until_closed(sock, timeout=30)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_pipelined_requests_on_one_connection_are_all_answered(server):
