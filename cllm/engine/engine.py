@@ -64,8 +64,10 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # The prompt's tokens and those of them that came from the prefix cache, on every delta
+    # (known once the request is admitted); the final delta's also carry the generated count.
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    cached_tokens: int = 0
     completion_tokens: int = 0
     timings: dict[str, float] | None = None
 
@@ -118,6 +120,9 @@ class RequestStream:
 
     def _taken(self, delta: Delta) -> Delta:
         self._done = delta.finish_reason is not None
+        if not self._done:  # known from admission on; a stream's first event may report it
+            delta.prompt_tokens = self.seq.num_prompt_tokens
+            delta.cached_tokens = self.seq.num_cached_tokens
         return delta
 
     def abort(self) -> None:

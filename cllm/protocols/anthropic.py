@@ -93,11 +93,9 @@ class MessagesFormat(TypedEventsFormat):
     """A message, or the events that build one: message_start, one text block (start, deltas,
     stop), message_delta with the stop reason and the output tokens, message_stop."""
 
-    def __init__(self, *args, n_prompt: int, stops: tuple[str, ...], is_eog, detokenize,
-                 **kwargs) -> None:
+    def __init__(self, *args, stops: tuple[str, ...], is_eog, detokenize, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.request_id = "msg_" + self.request_id.partition("-")[2]
-        self.n_prompt = n_prompt
         self.stops = stops
         self.is_eog = is_eog
         self.detokenize = detokenize
@@ -115,9 +113,9 @@ class MessagesFormat(TypedEventsFormat):
     def chunks(self, index: int, delta: Delta, first: bool) -> list[dict]:
         out = []
         if first:
+            started = Choice(prompt_tokens=delta.prompt_tokens, cached_tokens=delta.cached_tokens)
             out += [{"type": "message_start", "message": {
-                        **self._message([], None, None),
-                        "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}},
+                        **self._message([], None, None), "usage": self._usage(started)}},
                     {"type": "content_block_start", "index": 0,
                      "content_block": {"type": "text", "text": ""}}]
         self._streamed.add(delta)
@@ -162,9 +160,8 @@ async def create_message(request: Request, state: AppState) -> Response:
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = await chat_prompt(request, engine, req.messages)
-    fmt = new_format(MessagesFormat, request, "msg", sampling, n_prompt=len(prompt),
-                     stops=sampling.stop, is_eog=engine.model.is_eog,
-                     detokenize=engine.model.detokenize)
+    fmt = new_format(MessagesFormat, request, "msg", sampling, stops=sampling.stop,
+                     is_eog=engine.model.is_eog, detokenize=engine.model.detokenize)
     return await respond(request, fmt, prompt, sampling, 1, req.stream, False, True)
 
 

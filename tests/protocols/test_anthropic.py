@@ -122,6 +122,20 @@ def test_streaming_builds_the_same_message(client):
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_the_streams_first_usage_agrees_with_its_last(client):
+    """message_start's input tokens are those not read from the cache, as message_delta's
+    (the second request finds its prompt cached)."""
+    for _ in range(2):
+        with client.messages.stream(model=MODEL, max_tokens=5, messages=TURNS,
+                                    extra_body=GREEDY) as stream:
+            events = list(stream)
+        start = next(e for e in events if e.type == "message_start").message.usage
+        end = next(e for e in events if e.type == "message_delta").usage
+        assert start.input_tokens == end.input_tokens
+        assert start.cache_read_input_tokens == end.cache_read_input_tokens
+    assert end.cache_read_input_tokens > 0
+
+
 def test_stop_reasons(client):
     short = client.messages.create(model=MODEL, max_tokens=200, extra_body=GREEDY,
                                    messages=[{"role": "user", "content": "Say hi."}])
