@@ -95,6 +95,10 @@ def make_request(rng: random.Random, max_tokens_cap: int, max_words: int) -> dic
         body["seed"] = rng.randint(0, 2**31)
     if rng.random() < 0.2:
         body["stop"] = rng.sample(WORDS, rng.randint(1, 3))
+    # Priorities and users: slots change hands (preemptions), beside the clients that leave.
+    if rng.random() < 0.5:
+        body["priority"] = rng.randint(-2, 2)
+    body["user"] = rng.choice(("ann", "bob", "cy", ""))
     if path == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -222,13 +226,15 @@ def test_stress(request, capsys):
         elapsed = time.monotonic() - t0
         rss["end"] = rss_kib(pid)
         idle = idle_metrics(srv.url)
+        preemptions = metrics(srv.url)["cllm_preemptions_total"]
         log = srv.log
 
     by_reason = collections.Counter(f"{r['kind'].split(':')[0]} -> {o}"
                                     for r, o in zip(reqs, outcomes))
     growth = (rss["end"] - rss["first"]) / rss["first"]
     summary = (f"stress seed={seed} requests={total} concurrency={CONCURRENCY} "
-               f"elapsed={elapsed:.1f}s rss_kib={rss} growth={growth:+.2%}\n" +
+               f"elapsed={elapsed:.1f}s preemptions={preemptions:.0f} rss_kib={rss} "
+               f"growth={growth:+.2%}\n" +
                "\n".join(f"  {n:6d}  {k}" for k, n in sorted(by_reason.items())))
     if soak:  # for the note: shown even when pytest captures output
         with capsys.disabled():
@@ -250,6 +256,7 @@ def test_stress(request, capsys):
         elif expect == "4xx" and not outcome.startswith("error:4"):
             problems.append((req["kind"], req["path"], outcome))
     assert not problems, f"{problems[:20]}\n{summary}"
+    assert preemptions > 0, summary  # priorities and users made slots change hands
     assert idle == {"cllm_requests_running": 0, "cllm_requests_waiting": 0,
                     "cllm_kv_cache_usage_ratio": 0}, idle
     assert "Traceback" not in log, log[-3000:]
