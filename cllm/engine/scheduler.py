@@ -317,8 +317,8 @@ class Scheduler:
                 self.preempt(now, victim)
 
     def _fair_victim_index(self, priority: int, user: str) -> int | None:
-        """For a waiting `user` who holds no slot: the newest running sequence of `priority` of
-        the user holding the most slots, if that user holds two or more."""
+        """For a waiting `user` who holds no slot: a running sequence of `priority` of the user
+        holding the most slots, if that user holds two or more."""
         held = Counter(seq.sampling.user for seq in self.running
                        if seq.sampling.priority == priority)
         if held[user]:
@@ -327,8 +327,11 @@ class Scheduler:
                          default=(None, 0))
         if slots < 2:
             return None
-        return max(i for i, seq in enumerate(self.running)
-                   if seq.sampling.user == hog and seq.sampling.priority == priority)
+        # The one whose place costs least to give back: fewest tokens computed (a prompt
+        # still filling, or a request just begun), the newest among equals.
+        return min((i for i, seq in enumerate(self.running)
+                    if seq.sampling.user == hog and seq.sampling.priority == priority),
+                   key=lambda i: (self.running[i].num_computed_tokens, -i))
 
     def _check_end(self, seq: Sequence, token: int, now: float) -> None:
         params = seq.sampling
