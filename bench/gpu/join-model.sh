@@ -1,7 +1,7 @@
 #!/bin/bash
-# Device calls 2-4 (carry one of .device/m1, m2, m3 each): stage that part of SmolLM2-135M;
-# the call that has all three joins them into cllm's cache, stamped as cllm.models expects.
-# A call carries 64 MiB with the working tree (~24 MiB), so the 98 MB model takes three.
+# Run once for each part of SmolLM2-135M brought to the machine (.device/m1, m2, m3): stages it;
+# the run that finds all three joins them into cllm's cache, stamped as cllm.models expects.
+# The model comes in three parts of about 33 MB, each small enough to travel beside the tree.
 W=/root/w; mkdir -p $W/cache/models
 for part in .device/m*/part0*; do [ -f "$part" ] && cp "$part" $W/; done
 ls -la $W/part0* 2>/dev/null

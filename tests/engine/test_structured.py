@@ -19,8 +19,8 @@ import pytest
 from engine_checks import FaultyContext, assert_idle, run_tokens
 from http_checks import assert_error, metrics, post_stream, sse_payloads
 from model_facts import ON_GPU_NOT_BATCH_INVARIANT
-from pydantic import BaseModel
 from server_process import ServerProcess
+from tool_models import Node, Person
 
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import structured
@@ -724,21 +724,6 @@ def test_a_tool_result_in_the_history_round_trips(client):
 
 
 # ---- tools whose parameters are Pydantic models with nested ones ($defs and $ref) ----
-
-class Address(BaseModel):
-    street: str
-    city: str
-
-
-class Person(BaseModel):
-    name: str
-    address: Address
-
-
-class Node(BaseModel):
-    label: str
-    children: list["Node"]
-
 
 @pytest.mark.parametrize("model, ask", [(Person, "Save Ann, who lives at 1 Main St in Oslo."),
                                         (Node, "Save a tree: a root with no children.")])

@@ -5,6 +5,7 @@ import json
 import llguidance
 import pytest
 from pydantic import BaseModel
+from tool_models import Node, Person
 
 from cllm.http.tools import CallParser, Tool, ToolSpec, call_grammar, prompt_messages, split_reply
 
@@ -134,22 +135,6 @@ def test_auto_and_none_are_not_constrained():
 
 
 # ---- tools whose parameters refer to their own $defs, as every nested Pydantic model's do ----
-
-class Address(BaseModel):
-    street: str
-    city: str
-
-
-class Person(BaseModel):
-    name: str
-    address: Address
-
-
-class Node(BaseModel):
-    """Recursive: its schema refers to itself."""
-    label: str
-    children: list["Node"]
-
 
 def _parcel_schema() -> dict:
     """Another model named Address, with other fields, as two tools of one app may have."""
