@@ -150,6 +150,12 @@ class RequestStream:
             self._on_end(final)
 
 
+# Prompt tokens a step may compute on a CPU while several users share the server: a request
+# arriving mid-step waits for the step in flight, and on a CPU a step's time is its tokens'
+# (docs/design/fair-shares.md).
+SHARED_PROMPT_TOKENS = 128
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         self.config = config
@@ -160,8 +166,9 @@ class Engine:
         # Prompts in aligned blocks make CPU results independent of batches and of the prefix
         # cache; a GPU's kernels are not batch-invariant anyway, so there it would only cost.
         aligned = not (self.kv_unified or gpu)
-        self.ctx = _core.Context(self.model, n_ctx=config.n_ctx,
-                                 n_seq_max=_slots(config.n_parallel, self.kv_unified),
+        lanes = _lanes(config.n_parallel)
+        self.ctx = _core.Context(self.model, n_ctx=_cells(config, lanes, self.kv_unified),
+                                 n_seq_max=_slots(config.n_parallel, lanes, self.kv_unified),
                                  n_batch=config.n_batch, n_ubatch=config.n_ubatch,
                                  n_threads=config.n_threads, flash_attn=config.flash_attn,
                                  kv_unified=self.kv_unified, aligned_prefill=aligned,
@@ -184,7 +191,8 @@ class Engine:
                                    cache_prompts=config.cache_prompts,
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1,
                                    prefill_stagger=config.prefill_stagger or (None if gpu else 16),
-                                   first_tokens_apart=aligned)
+                                   first_tokens_apart=aligned, lanes=lanes,
+                                   shared_prompt_tokens=None if gpu else SHARED_PROMPT_TOKENS)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
         # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on threads of
         # their own. On a CPU every core is llama.cpp's: one thread, before the step.
@@ -723,11 +731,26 @@ def _mask_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def _slots(n_parallel: int, kv_unified: bool) -> int:
+def _lanes(n_parallel: int) -> int:
+    """Sequences that may run beyond n_parallel for a user holding none while another holds
+    two or more (Scheduler's `lanes`): one, where a user can hold two and llama.cpp's 256
+    sequences leave room."""
+    return 1 if 2 <= n_parallel < 256 else 0
+
+
+def _slots(n_parallel: int, lanes: int, kv_unified: bool) -> int:
     """Seq ids to create. In one pool, twice the running sequences (up to llama.cpp's 256), so
     finished sequences' prefixes stay cached while every running slot is taken; split, each id
     is a stream with its own share of the cells, and idle streams are the cache."""
-    return min(256, max(2 * n_parallel, n_parallel + 8)) if kv_unified else n_parallel
+    if kv_unified:
+        return min(256, max(2 * n_parallel, n_parallel + lanes + 8))
+    return n_parallel + lanes
+
+
+def _cells(config: EngineConfig, lanes: int, kv_unified: bool) -> int:
+    """KV cells to create: n_ctx, and split, a stream's share more for each lane, so that every
+    stream holds n_ctx / n_parallel cells."""
+    return config.n_ctx + (0 if kv_unified else lanes * (config.n_ctx // config.n_parallel))
 
 
 @dataclass(slots=True)

@@ -69,7 +69,12 @@ class Scheduler:
     `first_tokens_apart` (split KV streams on a CPU): a step that ends prompts leaves the decodes
     to the next step, which ends none: the two steps cost what one would, and the first tokens
     come out before the decodes are computed instead of after
-    (docs/design/prompt-scheduling.md)."""
+    (docs/design/prompt-scheduling.md).
+    Between users (docs/design/fair-shares.md): `lanes` sequences may run beyond `max_seqs`, each
+    for a user holding none while another holds two or more, so a person's request beside a
+    batch starts at once without taking the batch's place; while several users share the server,
+    a step's prompt tokens stop at `shared_prompt_tokens` (None: no limit), so the step in
+    flight when such a request arrives is short."""
 
     # A sequence whose prompt shares at least this many more tokens with one still being
     # prefilled waits for them rather than computing them a second time; a shorter common
@@ -81,8 +86,11 @@ class Scheduler:
                  n_slots: int | None = None, shared_kv: bool = True,
                  prefix_cache: bool = True, cache_replies: str = "auto",
                  cache_prompts: str = "auto", prefill_block: int = 1,
-                 prefill_stagger: int | None = None, first_tokens_apart: bool = False) -> None:
+                 prefill_stagger: int | None = None, first_tokens_apart: bool = False,
+                 lanes: int = 0, shared_prompt_tokens: int | None = None) -> None:
         self.max_seqs = max_seqs
+        self.lanes = lanes
+        self.shared_prompt_tokens = shared_prompt_tokens
         self.first_tokens_apart = first_tokens_apart
         self._decodes_held = False  # the last step ended prompts and left its decodes to this one
         self.token_budget = token_budget
@@ -91,12 +99,13 @@ class Scheduler:
         self.max_seq_len = max_seq_len or kv_capacity  # cells one sequence may hold
         self.max_queue = max_queue
         self.eog_tokens = eog_tokens
-        self.cache = PrefixCache(n_slots or max_seqs, shared_cells=shared_kv,
+        self.cache = PrefixCache(n_slots or max_seqs + lanes, shared_cells=shared_kv,
                                  enabled=prefix_cache, block=prefill_block, replies=cache_replies,
                                  prompts=cache_prompts)
         self.waiting: deque[Sequence] = deque()
         self.fair_share = FairShare()
         self.running: list[Sequence] = []
+        self._laned: set[int] = set()  # ids of the running sequences admitted to a lane
         self._slot_seq: dict[int, Sequence] = {}  # slot id -> the running sequence writing it
         self._step_cells = 0  # cells the step being planned will fill
         self._step_end_tokens = 0  # tokens of the last chunks of prompts the step ends
@@ -115,9 +124,25 @@ class Scheduler:
 
     @property
     def slots_full(self) -> bool:
-        """Whether every sequence slot is taken: a waiting request starts only when a running
-        sequence ends."""
-        return len(self.running) >= self.max_seqs
+        """Whether no waiting request can start now: every slot is taken and no lane is open to
+        one of them; then a waiting request starts only when a running sequence ends."""
+        if self._slot_free():
+            return False
+        held = self._held()
+        return not any(self._lane_open(seq, held) for seq in self.waiting)
+
+    def _slot_free(self) -> bool:
+        return len(self.running) - len(self._laned) < self.max_seqs
+
+    def _held(self) -> Counter[str]:
+        """Running sequences by user."""
+        return Counter(seq.sampling.user for seq in self.running)
+
+    def _lane_open(self, seq: Sequence, held: Counter[str]) -> bool:
+        """Whether `seq` may run in a lane: one is free, its user holds no running sequence and
+        another user holds two or more."""
+        return (len(self._laned) < self.lanes and not held[seq.sampling.user]
+                and max(held.values(), default=0) >= 2)
 
     @property
     def prompts_pending(self) -> bool:
@@ -146,7 +171,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self._kv_ops += self.cache.abandon(seq)  # if preempted: it will not resume
         seq.status = SequenceStatus.FINISHED
-        self.fair_share.leave(seq.sampling.user)
+        self.fair_share.leave(seq.sampling.user, now)
         seq.finish_reason = reason
         seq.error = error
         seq.finished_time = now
@@ -167,8 +192,7 @@ class Scheduler:
         self._preempt_for_waiting(now)
         budget = self._schedule_decodes(out, self.token_budget, now)
         n_decodes = len(out.chunks)
-        budget = self._schedule_prefills(out, budget)
-        self._admit_waiting(out, budget, now)
+        self._schedule_prompts(out, budget, now)
         self._decodes_held = self._hold_decodes(out, n_decodes)
         # In slot order: llama.cpp splits a batch over split KV streams into micro-batches of
         # increasing seq ids in batch order (adjacent ones for prompt pieces), so any other
@@ -281,33 +305,39 @@ class Scheduler:
         worst = max(seq.sampling.priority for seq in self.running)
         return max(i for i, seq in enumerate(self.running) if seq.sampling.priority == worst)
 
-    def _next_waiting(self, skip: set[int]) -> int | None:
-        """Where the waiting sequence to admit next is in the queue: the lowest priority
-        value, then the user whose fair-share clock is lowest, then the user holding fewer
-        slots (a newcomer's clock starts level with the lowest), then the first in the queue
-        (arrival order, preempted ones first); None when every waiting sequence is in `skip`
-        (ids)."""
-        held = Counter(seq.sampling.user for seq in self.running)
+    def _next_waiting(self, skip: set[int], held: Counter[str]) -> int | None:
+        """Where the waiting sequence to admit next is in the queue: the first by _fair_key,
+        then the first in the queue (arrival order, preempted ones first); None when every
+        waiting sequence is in `skip` (ids)."""
         best, best_key = None, None
         for i, seq in enumerate(self.waiting):
             if id(seq) in skip:
                 continue
-            user = seq.sampling.user
-            key = (seq.sampling.priority, self.fair_share.clock(user), held[user])
+            key = self._fair_key(seq, held)
             if best_key is None or key < best_key:
                 best, best_key = i, key
         return best
 
+    def _fair_key(self, seq: Sequence, held: Counter[str]) -> tuple[int, float, int]:
+        """Who goes first: the lowest priority value, then the user whose fair-share clock is
+        lowest, then the user holding fewer slots (a newcomer's clock starts level with the
+        lowest)."""
+        user = seq.sampling.user
+        return seq.sampling.priority, self.fair_share.clock(user), held[user]
+
     def _preempt_for_waiting(self, now: float) -> None:
-        """With every slot taken, the waiting sequence next in line takes a running one's place
-        before this step plans its rows (one exchange a step; this step's admission starts it):
+        """With every slot taken and no lane open to it, the waiting sequence next in line
+        takes a running one's place before this step plans its rows (one exchange a step; this
+        step's admission starts it):
         - one of a lower priority value than the worst running sequence takes that one's;
-        - one of the same priority whose user holds no slot takes the newest of the user
-          holding the most slots (two or more), so a person who sends one request beside
-          another's batch waits a step, not for a batch request to end."""
-        if len(self.running) < self.max_seqs or not self.waiting or not self.running:
+        - one of the same priority whose user holds fewer slots than its weight's share takes
+          one from the user most over its own share, if that user holds two or more."""
+        if self._slot_free() or not self.waiting or not self.running:
             return
-        best = self.waiting[self._next_waiting(set())]
+        held = self._held()
+        best = self.waiting[self._next_waiting(set(), held)]
+        if self._lane_open(best, held):
+            return
         victim = self._victim_index()
         if best.sampling.priority < self.running[victim].sampling.priority:
             self.preempt(now, victim)
@@ -316,16 +346,27 @@ class Scheduler:
             if victim is not None:
                 self.preempt(now, victim)
 
+    def _slot_shares(self, priority: int) -> dict[str, int]:
+        """Each user with work of `priority`: the slots its weight's share of those users'
+        weights is worth, at least one."""
+        weights = {seq.sampling.user: seq.sampling.user_weight
+                   for seq in (*self.running, *self.waiting) if seq.sampling.priority == priority}
+        total = sum(weights.values())
+        return {user: max(1, int(self.max_seqs * weight / total))
+                for user, weight in weights.items()}
+
     def _fair_victim_index(self, priority: int, user: str) -> int | None:
-        """For a waiting `user` who holds no slot: a running sequence of `priority` of the user
-        holding the most slots, if that user holds two or more."""
+        """For a waiting `user` holding fewer slots of `priority` than its share: a running
+        sequence of the user most over its own share, if that user holds two or more."""
         held = Counter(seq.sampling.user for seq in self.running
                        if seq.sampling.priority == priority)
-        if held[user]:
+        shares = self._slot_shares(priority)
+        if held[user] >= shares[user]:
             return None
-        hog, slots = max(held.items(), key=lambda item: (item[1], self.fair_share.clock(item[0])),
-                         default=(None, 0))
-        if slots < 2:
+        hog, over = max(((u, n - shares[u]) for u, n in held.items() if u != user),
+                        key=lambda item: (item[1], self.fair_share.clock(item[0])),
+                        default=(None, 0))
+        if over <= 0 or held[hog] < 2:
             return None
         # The one whose place costs least to give back: fewest tokens computed (a prompt
         # still filling, or a request just begun), the newest among equals.
@@ -343,6 +384,7 @@ class Scheduler:
     def _release(self, seq: Sequence, ending: bool) -> None:
         slot = self.cache.slots[seq.seq_id]
         del self._slot_seq[slot.id]
+        self._laned.discard(id(seq))
         # A request that asked not to use the cache (cache_prompt: false) leaves nothing in it
         # either, once it ends.
         keep = seq.cache_prompt or not ending
@@ -407,13 +449,6 @@ class Scheduler:
         del out.chunks[:n_decodes]
         return True
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
-        """Prompt chunks of running sequences, in the order they were admitted."""
-        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
-            if seq.status is SequenceStatus.RUNNING and budget > 0:
-                budget -= self._add_prompt_chunk(out, seq, budget)
-        return budget
-
     def _add_prompt_chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         """`seq`'s next prompt chunk, as much as the budget leaves; none if it would end the
         prompt and the step has already spent its stagger on ending others, or computes the
@@ -431,21 +466,50 @@ class Scheduler:
             self._step_end_tokens += added
         return added
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _schedule_prompts(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Prompt chunks, of running sequences and of waiting ones started here, first by
+        _fair_key, then running ones in the order they were admitted before waiting ones. While
+        several users share the server (fair_share.FairShare.sharing), the step's prompt tokens stop
+        at `shared_prompt_tokens`."""
+        if self.shared_prompt_tokens and self.fair_share.sharing(now) > 1:
+            budget = min(budget, self.shared_prompt_tokens)
+        held = self._held()
+        prompts = [s for s in self.running if s.num_uncomputed_tokens > 1]
         held_back: set[int] = set()  # ids of the sequences left waiting for a shared prefix
-        while budget > 0 and len(self.running) < self.max_seqs:
-            index = self._next_waiting(held_back)
-            if index is None:
+        admitting = True
+        while budget > 0:
+            first = min(range(len(prompts)), default=None,
+                        key=lambda i: (self._fair_key(prompts[i], held), i))
+            index = self._next_waiting(held_back, held) if admitting else None
+            if index is not None and (first is None or self._fair_key(self.waiting[index], held)
+                                      < self._fair_key(prompts[first], held)):
+                seq = self.waiting[index]
+                if self._awaits_shared_prefix(seq):
+                    held_back.add(id(seq))
+                    continue
+                admitting = self._admit(out, index, held, now)
+                if admitting:
+                    budget -= self._add_prompt_chunk(out, seq, budget)
+            elif first is not None:
+                seq = prompts.pop(first)
+                if seq.status is SequenceStatus.RUNNING:
+                    budget -= self._add_prompt_chunk(out, seq, budget)
+            else:
                 break
-            seq = self.waiting[index]
-            if self._awaits_shared_prefix(seq):
-                held_back.add(id(seq))
-                continue
-            if not self._start(seq, now):
-                break
-            del self.waiting[index]
-            out.started.append(seq)
-            budget -= self._add_prompt_chunk(out, seq, budget)
+
+    def _admit(self, out: SchedulerOutput, index: int, held: Counter[str], now: float) -> bool:
+        """Start the waiting sequence at `index` in a free slot or an open lane. False when it
+        cannot start: no slot, no lane, no room."""
+        seq = self.waiting[index]
+        lane = not self._slot_free()
+        if (lane and not self._lane_open(seq, held)) or not self._start(seq, now):
+            return False
+        del self.waiting[index]
+        out.started.append(seq)
+        held[seq.sampling.user] += 1
+        if lane:
+            self._laned.add(id(seq))
+        return True
 
     def _start(self, seq: Sequence, now: float) -> bool:
         """Give `seq` a slot, starting from the longest cached prefix of its tokens (all but the

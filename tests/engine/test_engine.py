@@ -799,3 +799,47 @@ def test_a_request_of_higher_priority_preempts_one_whose_text_stays_what_it_was(
         assert_idle(eng)
     finally:
         eng.shutdown()
+
+
+# ---- users ----
+
+@ON_GPU_NOT_BATCH_INVARIANT
+def test_a_person_beside_a_batch_runs_in_the_lane_and_no_text_changes(model_path):
+    """A batch user holds both slots with more waiting; a person's request starts in the lane at
+    once, ends before any batch request, and takes nothing from the batch: no preemption, every
+    greedy text what it is alone."""
+    eng = Engine(EngineConfig(n_ctx=2 * 512, n_parallel=2, n_threads=2, kv_unified=False),
+                 model_path)
+    batch = dict(max_tokens=40, temperature=0, ignore_eos=True, user="batch")
+    try:
+        assert eng.ctx.n_seq_max == 3 and eng.max_seq_len == 512  # the lane's stream, as long
+        alone = [asyncio.run(run(eng, PROMPTS[i], **batch))[0] for i in range(4)]
+        person_alone = asyncio.run(run(eng, PROMPTS[4], max_tokens=4, temperature=0))[0]
+        ended = []
+
+        async def until_end(name, stream, first_delta=None):
+            text = first_delta.text if first_delta else ""
+            async for delta in stream:
+                text += delta.text
+            ended.append(name)
+            return text
+
+        async def together():
+            streams = [eng.submit(eng.model.tokenize(PROMPTS[i]), SamplingParams(**batch))
+                       for i in range(4)]
+            firsts = [await streams[i].__anext__() for i in range(2)]  # two run, two wait
+            tasks = [asyncio.create_task(until_end(f"batch{i}", streams[i],
+                                                   firsts[i] if i < 2 else None))
+                     for i in range(4)]
+            person = eng.submit(eng.model.tokenize(PROMPTS[4]),
+                                SamplingParams(max_tokens=4, temperature=0, user="person"))
+            text = await until_end("person", person)
+            return text, await asyncio.gather(*tasks)
+
+        person_text, texts = asyncio.run(together())
+        assert ended[0] == "person"
+        assert eng.scheduler.num_preemptions == 0
+        assert (person_text, texts) == (person_alone, alone)
+        assert_idle(eng)
+    finally:
+        eng.shutdown()

@@ -3,7 +3,7 @@ admissions: no model needed."""
 from collections import Counter
 
 from cllm.config import SamplingParams
-from cllm.engine.fair_share import FairShare
+from cllm.engine.fair_share import RECENT, FairShare
 from cllm.engine.scheduler import Scheduler
 from cllm.engine.sequence import Sequence
 
@@ -15,13 +15,23 @@ def test_a_user_coming_back_starts_at_the_lowest_active_clock_never_below():
     share.arrive("chat")  # new while batch is active: no credit for having been away
     assert share.clock("chat") == 500
     share.charge("chat", 1.0, 20)
-    share.leave("chat")
+    share.leave("chat", 1.0)
     share.arrive("chat")  # its own clock (520) is above the floor (500): kept
     assert share.clock("chat") == 520
-    share.leave("chat")
-    share.leave("batch")
+    share.leave("chat", 2.0)
+    share.leave("batch", 2.0)
     share.arrive("chat")  # nobody was active: every clock restarted
     assert share.clock("chat") == 0 and share.clock("batch") == 0
+
+
+def test_a_user_shares_the_server_while_it_has_requests_and_a_while_after():
+    share = FairShare()
+    share.arrive("batch")
+    share.arrive("chat")
+    assert share.sharing(0.0) == 2
+    share.leave("chat", 10.0)  # reading the reply
+    assert share.sharing(10.0 + RECENT) == 2
+    assert share.sharing(10.1 + RECENT) == 1
 
 
 def test_weights_divide_the_charge():
@@ -102,3 +112,65 @@ def test_no_slot_changes_hands_while_every_user_holds_at_most_one():
     sched.add(_seq("c0", "c", max_tokens=50))
     _admissions(sched, 5)
     assert sched.num_preemptions == 0
+
+
+def _lane_scheduler(max_seqs=3, **options):
+    return Scheduler(max_seqs=max_seqs, token_budget=256, kv_capacity=1 << 16, max_queue=1000,
+                     eog_tokens=frozenset({2}), lanes=1, **options)
+
+
+def test_a_user_holding_none_runs_in_the_lane_beside_a_batch_and_takes_nothing():
+    sched = _lane_scheduler()
+    for i in range(6):
+        sched.add(_seq(f"batch{i}", "batch", max_tokens=50))
+    _admissions(sched, 2)
+    sched.add(_seq("chat0", "chat", max_tokens=50))
+    out = sched.schedule(2.0)
+    assert [seq.sampling.user for seq in out.started] == ["chat"]
+    assert out.released == [] and sched.num_preemptions == 0
+    assert len(sched.running) == 4 and sched.slots_full  # the batch's next waits for its own
+
+
+def test_the_lane_is_one_and_a_second_newcomer_takes_a_slot_from_the_batch_instead():
+    sched = _lane_scheduler()
+    for i in range(6):
+        sched.add(_seq(f"batch{i}", "batch", max_tokens=50))
+    _admissions(sched, 2)
+    sched.add(_seq("chat0", "chat", max_tokens=50))
+    sched.add(_seq("mail0", "mail", max_tokens=50))
+    started = _admissions(sched, 3)
+    assert sorted(started) == ["chat", "mail"]
+    assert sched.num_preemptions == 1 and len(sched.running) == 4
+
+
+def test_a_user_of_three_times_the_weight_takes_slots_up_to_its_share():
+    sched = _scheduler(max_seqs=4)
+    for i in range(8):
+        sched.add(_seq(f"big{i}", "big", max_tokens=200))
+    _admissions(sched, 2)
+    for i in range(6):
+        sched.add(_seq(f"small{i}", "small", weight=3.0, max_tokens=200))
+    _admissions(sched, 10)  # an exchange in a step where small is behind on its clock
+    held = Counter(seq.sampling.user for seq in sched.running)
+    assert held == {"small": 3, "big": 1}
+
+
+def _prompt_tokens_by_user(out):
+    tokens = Counter()
+    for chunk in out.chunks:
+        if chunk.start < chunk.seq.num_prompt_tokens:
+            tokens[chunk.seq.sampling.user] += chunk.length
+    return tokens
+
+
+def test_a_newcomers_prompt_goes_before_the_batch_prompts_in_a_capped_step():
+    sched = _lane_scheduler(max_seqs=2, shared_prompt_tokens=64)
+    for i in range(4):
+        sched.add(_seq(f"batch{i}", "batch", n_prompt=400, max_tokens=50))
+    out = sched.schedule(0.0)
+    assert _prompt_tokens_by_user(out) == {"batch": 256}  # one user: the whole budget
+    sched.postprocess(out, [-1] * len(out.chunks), 0.0)
+    sched.add(_seq("chat0", "chat", n_prompt=40, max_tokens=50))
+    out = sched.schedule(1.0)
+    assert [seq.sampling.user for seq in out.started] == ["chat"]
+    assert _prompt_tokens_by_user(out) == {"chat": 40, "batch": 24}  # the cap: 64 in all
