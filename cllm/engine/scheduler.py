@@ -476,7 +476,7 @@ class Scheduler:
         held = self._held()
         prompts = [s for s in self.running if s.num_uncomputed_tokens > 1]
         held_back: set[int] = set()  # ids of the sequences left waiting for a shared prefix
-        admitting = True
+        admitting = self._may_admit(held)
         while budget > 0:
             first = min(range(len(prompts)), default=None,
                         key=lambda i: (self._fair_key(prompts[i], held), i))
@@ -487,15 +487,23 @@ class Scheduler:
                 if self._awaits_shared_prefix(seq):
                     held_back.add(id(seq))
                     continue
-                admitting = self._admit(out, index, held, now)
-                if admitting:
-                    budget -= self._add_prompt_chunk(out, seq, budget)
+                if not self._admit(out, index, held, now):
+                    admitting = False
+                    continue
+                budget -= self._add_prompt_chunk(out, seq, budget)
+                admitting = self._may_admit(held)
             elif first is not None:
                 seq = prompts.pop(first)
                 if seq.status is SequenceStatus.RUNNING:
                     budget -= self._add_prompt_chunk(out, seq, budget)
             else:
                 break
+
+    def _may_admit(self, held: Counter[str]) -> bool:
+        """Whether a waiting sequence could start now: a slot is free, or a lane is, beside a
+        user holding two or more (then it depends on whose the sequence is)."""
+        return bool(self.waiting) and (self._slot_free() or (
+            len(self._laned) < self.lanes and max(held.values(), default=0) >= 2))
 
     def _admit(self, out: SchedulerOutput, index: int, held: Counter[str], now: float) -> bool:
         """Start the waiting sequence at `index` in a free slot or an open lane. False when it
