@@ -66,6 +66,14 @@ def test_model_facts(model):
     assert model.metadata["general.architecture"] == "llama"
 
 
+def test_fim_tokens(model):
+    """SmolLM2's vocabulary names a repository token (<reponame>) but has no prefix, suffix or
+    middle token: llama.cpp finds none, so it cannot fill in the middle."""
+    fim = model.fim_tokens
+    assert (fim.prefix, fim.suffix, fim.middle) == (-1, -1, -1)
+    assert fim.repo == model.tokenize("<reponame>", add_special=False, parse_special=True)[0]
+
+
 def test_tokenize_round_trip(model):
     text = "Hello, world! Ünïcödé and 日本語 and emoji 🎉."
     tokens = model.tokenize(text, add_special=False)

@@ -18,13 +18,15 @@ were, with no Python call in between."""
 import os
 import secrets
 from array import array
+from collections import namedtuple
 
 from cllm.config import usable_cores
 
 from cpython cimport array as carray
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, logf, sqrt, INFINITY
-from libc.stdint cimport int32_t, uint32_t
+from libc.stdint cimport int32_t, uint8_t, uint32_t
 from libc.stdio cimport fputs, stderr
 from libc.stdlib cimport calloc, free, malloc
 

@@ -1,5 +1,5 @@
 # The subset of llama.h (pinned llama.cpp 0c1e57098) that cllm calls. Declarations only.
-from libc.stdint cimport int8_t, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 
 cdef extern from "ggml.h" nogil:
@@ -112,6 +112,12 @@ cdef extern from "llama.h" nogil:
     llama_token llama_vocab_bos(const llama_vocab * vocab)
     llama_token llama_vocab_eos(const llama_vocab * vocab)
     llama_token llama_vocab_eot(const llama_vocab * vocab)
+    llama_token llama_vocab_fim_pre(const llama_vocab * vocab)
+    llama_token llama_vocab_fim_suf(const llama_vocab * vocab)
+    llama_token llama_vocab_fim_mid(const llama_vocab * vocab)
+    llama_token llama_vocab_fim_pad(const llama_vocab * vocab)
+    llama_token llama_vocab_fim_rep(const llama_vocab * vocab)
+    llama_token llama_vocab_fim_sep(const llama_vocab * vocab)
     bint llama_vocab_is_eog(const llama_vocab * vocab, llama_token token)
     bint llama_vocab_is_control(const llama_vocab * vocab, llama_token token)
     bint llama_vocab_get_add_bos(const llama_vocab * vocab)
@@ -128,6 +134,11 @@ cdef extern from "llama.h" nogil:
     void llama_memory_clear(llama_memory_t mem, bint data)
     llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id)
     llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id)
+    size_t llama_state_seq_get_size(llama_context * ctx, llama_seq_id seq_id)
+    size_t llama_state_seq_get_data(llama_context * ctx, uint8_t * dst, size_t size,
+                                    llama_seq_id seq_id)
+    size_t llama_state_seq_set_data(llama_context * ctx, const uint8_t * src, size_t size,
+                                    llama_seq_id dest_seq_id)
 
     llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max)
     void llama_batch_free(llama_batch batch)

@@ -62,6 +62,10 @@ cdef _check_gguf_file(str path):
         raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
+# A vocabulary's fill-in-the-middle tokens (Model.fim_tokens), -1 where it has none.
+FimTokens = namedtuple("FimTokens", "prefix suffix middle pad repo file_sep")
+
+
 cdef class Model:
     """A loaded GGUF model and its vocabulary."""
     cdef llama_model * model
@@ -121,6 +125,15 @@ cdef class Model:
     @property
     def eot_token(self):
         return llama_vocab_eot(self.vocab)
+
+    @property
+    def fim_tokens(self):
+        """The fill-in-the-middle tokens llama.cpp found in the vocabulary (declared in the GGUF
+        or known by their text): prefix, suffix, middle, pad, repository, file separator; -1
+        for each it has not."""
+        v = self.vocab
+        return FimTokens(llama_vocab_fim_pre(v), llama_vocab_fim_suf(v), llama_vocab_fim_mid(v),
+                         llama_vocab_fim_pad(v), llama_vocab_fim_rep(v), llama_vocab_fim_sep(v))
 
     @property
     def adds_bos(self):
