@@ -18,7 +18,7 @@ import aiohttp
 from cllm.engine import steptimer
 from cllm.models import DEFAULT_ALIAS, resolve_model
 
-from . import prompts, report, users
+from . import plot, prompts, report, users
 from .cli import load_settings, parse_args, server_settings
 from .direct import EngineTarget, load_llama_as_the_server
 from .loadgen import Connections, HttpTarget, Level, ReplyLengths, Sender, first_model, run_level
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _write(data: dict, out: Path) -> None:
     path = report.write(data, out)
-    png = report.plot([data], path.with_suffix(".png"))
+    png = plot.plot([data], path.with_suffix(".png"))
     print(report.header(data))
     print(report.table(data["runs"]))
     print(f"results: {path}" + (f"\nplot: {png}" if png else ""))

@@ -1,4 +1,5 @@
-"""Results out: the JSON file, the table printed at the end, and the PNG plot.
+"""Results out: the JSON file and the table printed at the end (the machine it names:
+machine.py; the PNG plot: plot.py).
 
 `python -m cllm.bench.report plot RESULTS.json... [--out PNG]` draws the plot later from JSON,
 e.g. on a machine without matplotlib, or to put several runs in one figure."""
@@ -7,71 +8,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
-import os
-import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+from . import plot
+from .machine import git_commit, machine_info
+
 SCHEMA = 1
-# The instruction sets llama.cpp's CPU kernels pick from: they explain CPU results.
-CPU_FLAGS = ("avx2", "avx512f", "amx_tile")
-
-
-def machine_info() -> dict:
-    model, flags = parse_cpu(_output(["lscpu"]) or _read("/proc/cpuinfo"))
-    return {"cpu": model or platform.processor() or None, "cpu_flags": flags,
-            "nproc": os.cpu_count(), "gpu": _gpu_names(),
-            "platform": platform.platform(), "python": platform.python_version()}
-
-
-def parse_cpu(text: str) -> tuple[str | None, dict[str, bool] | None]:
-    """The model name and which CPU_FLAGS are present, from lscpu's output or /proc/cpuinfo
-    (both "Key: value" lines; cpuinfo repeats them per core); None for what is not there."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip().lower(), value.strip())
-    flags = fields.get("flags")
-    return (fields.get("model name") or None,
-            None if flags is None else {f: f in flags.split() for f in CPU_FLAGS})
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def _gpu_names() -> list[str]:
-    out = _output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
-    return [line.strip() for line in out.splitlines() if line.strip()] if out else []
-
-
-PACKAGE_DIR = Path(__file__).resolve().parent  # cllm/bench
-
-
-def git_commit(package_dir: Path = PACKAGE_DIR) -> str | None:
-    """The commit of the checkout this benchmark runs from; None for an installed copy, even
-    one that happens to lie inside some other git repository (a pyenv checkout, say)."""
-    top = _output(["git", "rev-parse", "--show-toplevel"], cwd=package_dir)
-    if top is None or Path(top.strip()).resolve() / "cllm" / "bench" != package_dir:
-        return None
-    commit = _output(["git", "rev-parse", "HEAD"], cwd=package_dir)
-    dirty = _output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir)
-    return f"{commit.strip()}{'-dirty' if dirty and dirty.strip() else ''}" if commit else None
-
-
-def _output(cmd: list[str], cwd: Path | None = None) -> str | None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
 
 
 def new_report(settings: dict, tag: str | None) -> dict:
@@ -262,83 +206,6 @@ def _cell(fmt: str, value: object) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def plot(reports: list[dict], path: Path, join: bool = False) -> Path | None:
-    """Output throughput and TTFT p50 against the level (concurrency, or request rate for
-    open-loop levels; all-at-once rates are left out), one line per server and report, or
-    with `join` one line per server across the reports (a sweep run one level a report).
-    None when no report has levels (mixed-users' runs are not plotted)."""
-    if not any("metrics" in run for report in reports for run in report["runs"]):
-        return None
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (draw it later with "
-              "`python -m cllm.bench.report plot RESULTS.json`)", file=sys.stderr)
-        return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = _series(reports, join)
-    levels_seen = sorted({_x(r) for runs in series.values() for r in runs})
-    for label, runs in series.items():
-        levels = [_x(r) for r in runs]
-        left.plot(levels, [r["metrics"]["output_throughput"] for r in runs], "o-", label=label)
-        right.plot(levels, [_nan(r["metrics"]["ttft_ms"]["p50"]) for r in runs], "o-",
-                   label=label)
-    for axis, title in ((left, "output throughput (tok/s)"), (right, "TTFT p50 (ms)")):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(levels_seen, [str(level) for level in levels_seen])
-        axis.set_ylim(bottom=0)
-        axis.set_xlabel("request rate (req/s)" if _open_loop(series) else "concurrency")
-        axis.set_title(title)
-        axis.grid(True, alpha=0.3)
-        axis.legend()
-    fig.suptitle(_title(reports), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _series(reports: list[dict], join: bool) -> dict[str, list[dict]]:
-    series: dict[str, list[dict]] = {}
-    for report in reports:
-        named = len(reports) > 1 and not join
-        suffix = f" ({report.get('tag') or report['date']})" if named else ""
-        for run in report["runs"]:
-            if "metrics" in run and math.isfinite(_x(run)):
-                series.setdefault(run["server"] + suffix, []).append(run)
-    return {label: sorted(runs, key=_x) for label, runs in series.items()}
-
-
-def _x(run: dict) -> float:
-    return run.get("request_rate") or run["concurrency"]
-
-
-def _open_loop(series: dict[str, list[dict]]) -> bool:
-    return any(r.get("request_rate") for runs in series.values() for r in runs)
-
-
-def _nan(value: float | None) -> float:
-    return float("nan") if value is None else value
-
-
-def _title(reports: list[dict]) -> str:
-    first = reports[0]
-    s = first["settings"]
-    parts = [first["machine"].get("cpu"), ", ".join(first["machine"].get("gpu") or []),
-             f"{s.get('workload', 'standard')} workload",
-             f"{_span([r['settings'].get('requests') for r in reports])} requests × "
-             f"{_span([r['settings'].get('max_tokens') for r in reports])} tokens", first["date"]]
-    return " · ".join(p for p in parts if p)
-
-
-def _span(values: list) -> str:
-    """One value, or the range of several (reports of a sweep may differ)."""
-    low, high = min(values), max(values)
-    return str(low) if low == high else f"{low}–{high}"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cllm.bench.report")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -351,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     reports = [json.loads(p.read_text()) for p in args.results]
     out = args.out or args.results[0].with_suffix(".png")
-    if plot(reports, out, args.join):
+    if plot.plot(reports, out, args.join):
         print(out)
 
 

@@ -1,33 +1,11 @@
-"""The JSON file, the table and the plot, from a report with synthetic runs."""
+"""The JSON file and the table, from a report with synthetic runs."""
 import json
-import subprocess
-from pathlib import Path
+
+from bench_reports import synthetic_report as _report
 
 from cllm.bench import report
 from cllm.bench.loadgen import RequestResult
 from cllm.bench.stats import by_turn, summarize
-
-
-def _report(tag="t") -> dict:
-    data = report.new_report({"requests": 2, "max_tokens": 3}, tag)
-    ok = RequestResult(start=0, end=0.5, ttft=0.1, itl=[0.2, 0.2], output_tokens=3, prompt_tokens=5)
-    failed = RequestResult(start=0, end=0.1, error="HTTP 429: busy")
-    for server in ("cllm", "llama-server"):
-        for level in (1, 8):
-            data["runs"].append({"server": server, "url": None, "model": "m", "concurrency": level,
-                                 "warmup_failed": 0, "metrics": summarize([ok, failed], 1.0)})
-    return data
-
-
-def test_the_commit_is_this_checkouts_and_none_for_a_copy_inside_another_repository(tmp_path):
-    checkout = Path(__file__).resolve().parents[2]  # this test's repository, not the install
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=checkout, check=True).stdout.strip()
-    assert report.git_commit(checkout / "cllm" / "bench").removesuffix("-dirty") == head
-    copy = tmp_path / "lib" / "site-packages" / "cllm" / "bench"  # e.g. under a pyenv checkout
-    copy.mkdir(parents=True)
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    assert report.git_commit(copy) is None
 
 
 def test_json_shape(tmp_path):
@@ -63,28 +41,6 @@ def test_table_shows_cache_share_and_turns():
     assert lines[2] == "    TTFT p50 by turn, ms: 1: 10.0 · 2: 30.0 (last / first: 3.00)"
 
 
-_LSCPU = """Architecture:            x86_64
-CPU(s):                  2
-Model name:              Intel(R) Xeon(R) Platinum 8480+
-Flags:                   fpu sse2 avx2 avx512f amx_bf16 amx_tile
-"""
-_CPUINFO = """processor\t: 0
-model name\t: AMD EPYC 7B13
-flags\t\t: fpu sse2 avx2
-processor\t: 1
-model name\t: AMD EPYC 7B13
-flags\t\t: fpu sse2 avx2
-"""
-
-
-def test_cpu_model_and_flags():
-    assert report.parse_cpu(_LSCPU) == ("Intel(R) Xeon(R) Platinum 8480+",
-                                        {"avx2": True, "avx512f": True, "amx_tile": True})
-    assert report.parse_cpu(_CPUINFO) == ("AMD EPYC 7B13",
-                                          {"avx2": True, "avx512f": False, "amx_tile": False})
-    assert report.parse_cpu("") == (None, None)
-
-
 def test_header_names_machine_and_workload():
     data = _report()
     data["machine"].update(cpu="Xeon", nproc=2, gpu=["NVIDIA H100 80GB HBM3"],
@@ -95,28 +51,6 @@ def test_header_names_machine_and_workload():
         "workload: shared-prefix, document of 1400 tokens; 2 requests × 3 tokens a level")
     data["settings"].update(documents=64)
     assert "workload: shared-prefix, 64 documents of 1400 tokens;" in report.header(data)
-
-
-def test_plot_from_json(tmp_path):
-    first = report.write(_report("a"), tmp_path)
-    second = report.write(_report("b"), tmp_path)
-    out = tmp_path / "both.png"
-    report.main(["plot", str(first), str(second), "--out", str(out)])
-    assert out.read_bytes().startswith(b"\x89PNG")
-
-
-def test_a_joined_plot_draws_one_line_per_server_across_the_files():
-    low, high = _report("low"), _report("high")
-    for run in high["runs"]:
-        run["concurrency"] *= 64  # the sweep's next levels, from servers started anew
-    high["settings"]["requests"] = 128
-    apart = report._series([low, high], join=False)
-    assert sorted(apart) == ["cllm (high)", "cllm (low)", "llama-server (high)",
-                             "llama-server (low)"]
-    joined = report._series([low, high], join=True)
-    assert sorted(joined) == ["cllm", "llama-server"]
-    assert [run["concurrency"] for run in joined["cllm"]] == [1, 8, 64, 512]
-    assert "2–128 requests × 3 tokens" in report._title([low, high])
 
 
 def test_table_says_when_the_client_itself_was_near_a_core():

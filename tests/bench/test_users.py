@@ -233,10 +233,6 @@ def test_the_table_has_a_row_a_user_and_phase_and_each_runs_targets():
            "small 70.0% (target 75%), within ±5 points: met" in text
 
 
-def test_runs_without_levels_are_not_plotted(tmp_path):
-    data = {"runs": [_users_run("backlogged")], "settings": {}, "machine": {}, "date": "d"}
-    assert report.plot([data], tmp_path / "p.png") is None
-
 
 # ---- the keys on the wire ----
 
