@@ -25,8 +25,16 @@ from cllm.errors import APIError
 from cllm.http.common import AppState, error_response, guarded
 from cllm.http.formats import GenerateFormat
 from cllm.http.metrics import CONTENT_TYPE
-from cllm.http.responses import anthropic_error
-from cllm.protocols import anthropic, embeddings, generate, llama_server, openai, openai_responses
+from cllm.http.responses import anthropic_error, ollama_error
+from cllm.protocols import (
+    anthropic,
+    embeddings,
+    generate,
+    llama_server,
+    ollama,
+    openai,
+    openai_responses,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         await state.stop()
 
     post = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["POST"])  # noqa: E731
-    get = lambda path, fn: Route(path, guarded(fn), methods=["GET"])  # noqa: E731
+    get = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["GET"])  # noqa: E731
     app = Starlette(routes=[
         post("/v1/completions", openai.completions),
         post("/v1/chat/completions", openai.chat_completions),
@@ -73,6 +81,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         post("/v1/responses", openai_responses.create_response),
         post("/v1/messages", anthropic.create_message, error_body=anthropic_error),
         post("/v1/messages/count_tokens", anthropic.count_tokens, error_body=anthropic_error),
+        post("/infill", llama_server.infill),
+        *[route(path, fn, error_body=ollama_error) for route, path, fn in (
+            (post, "/api/chat", ollama.chat), (post, "/api/generate", ollama.generate),
+            (post, "/api/embed", ollama.embed), (post, "/api/embeddings", ollama.embeddings_),
+            (post, "/api/show", ollama.show), (get, "/api/tags", ollama.tags),
+            (get, "/api/ps", ollama.ps), (get, "/api/version", ollama.version))],
         get("/", webui.page), get("/ui/{name}", webui.asset), get("/status", webui.status),
     ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan,
         middleware=access_checks(config))

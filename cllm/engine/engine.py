@@ -178,7 +178,8 @@ class Engine:
         # On a GPU a decode run keeps the rows that stop in its batch, so llama.cpp reuses the
         # step's graph (docs/design/decode-runs.md); on a CPU a held row
         # would cost as much as a live one.
-        self.ctx.hold_run_shape = gpu and config.n_gpu_layers != 0
+        self.weights_on_gpu = gpu and config.n_gpu_layers != 0
+        self.ctx.hold_run_shape = self.weights_on_gpu
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,

@@ -29,7 +29,7 @@ from cllm.http.metrics import Metrics
 from cllm.http.model_card import model_names, repo_id
 from cllm.http.pool import Overdue, PoolClosed, WorkPool
 from cllm.http.quotas import Quotas
-from cllm.http.responses import Token, anthropic_error, token_name
+from cllm.http.responses import Token, anthropic_error, ollama_error, token_name
 from cllm.http.schemas import Constraint
 
 log = logging.getLogger(__name__)
@@ -250,8 +250,8 @@ class SSEResponse(StreamingResponse):
     """Closes its body generator at once when the response ends, the client gone or not, so the
     sequences behind it are aborted now rather than when the generator is collected."""
 
-    def __init__(self, body) -> None:
-        super().__init__(body, media_type="text/event-stream",
+    def __init__(self, body, media_type: str = "text/event-stream") -> None:
+        super().__init__(body, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
@@ -324,7 +324,7 @@ async def respond_batch(request: Request, fmt: Format, prompts: list[list[int]],
     generation = Generation(streams, fmt)
     if stream:
         await until_disconnect(request, generation.first_event())
-        return SSEResponse(generation.sse(include_usage))
+        return SSEResponse(generation.sse(include_usage), fmt.media_type)
     return JSONResponse(await until_disconnect(request, generation.collect()))
 
 
@@ -384,6 +384,8 @@ def guarded(handler, error_body=APIError.body):
 
 def error_shape(path: str):
     """The error body of a route: /generate keeps the original API's, /v1/messages (and its
-    count_tokens) has Anthropic's."""
+    count_tokens) has Anthropic's, Ollama's /api/... its own."""
+    if path.startswith("/api/"):
+        return ollama_error
     return {"/generate": GenerateFormat.error_body_of, "/v1/messages": anthropic_error,
             "/v1/messages/count_tokens": anthropic_error}.get(path, APIError.body)

@@ -76,6 +76,7 @@ class Format:
     id as logprobs name it. With `prompt_token_ids`, responses carry them and each choice's
     token ids (vLLM's return_token_ids)."""
     chat = False  # chunk objects are chat.completion.chunk rather than text_completion
+    media_type = "text/event-stream"  # of a streamed response; event() frames its chunks
 
     def __init__(self, request_id: str, model: str, created: int, token: Callable[[int], Token],
                  want_logprobs: bool, *, prompt_token_ids: list[int] | None = None) -> None:

@@ -54,3 +54,27 @@ def model_card(name: str, root: str, engine) -> dict:
             "meta": {"n_ctx": engine.max_seq_len, "n_ctx_train": model.n_ctx_train,
                      "n_vocab": model.n_vocab, "n_params": model.n_params,
                      "size": model.size_bytes, "description": model.description}}
+
+
+# llama.cpp's file types (enum llama_ftype, the GGUF's general.file_type), by the names the
+# quantization tools give them.
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+               10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
+               16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
+               22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
+               28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+               37: "TQ2_0", 38: "MXFP4_MOE"}
+
+
+def quantization(metadata: dict[str, str]) -> str:
+    """The weights' type from the GGUF's general.file_type ("Q4_K_M"); "unknown" without it."""
+    file_type = metadata.get("general.file_type", "")
+    return _FILE_TYPES.get(int(file_type), "unknown") if file_type.isdigit() else "unknown"
+
+
+def parameter_size(n_params: int) -> str:
+    """A parameter count as Ollama writes it: "134.52M", "3.21B"."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n_params >= scale:
+            return f"{n_params / scale:.2f}".rstrip("0").rstrip(".") + unit
+    return str(n_params)

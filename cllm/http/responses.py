@@ -146,6 +146,11 @@ _ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_err
                           429: "rate_limit_error", 503: "overloaded_error"}
 
 
+def ollama_error(error: APIError) -> dict:
+    """An error as Ollama's API shapes it (/api/...)."""
+    return {"error": error.message}
+
+
 def anthropic_error(error: APIError) -> dict:
     """An error as Anthropic's Messages API shapes it (/v1/messages)."""
     return {"type": "error", "error": {
@@ -165,12 +170,21 @@ _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 def sse_event(payload: dict | str) -> bytes:
     """One server-sent event: a compact JSON payload, or a literal such as "[DONE]"."""
+    return b"data: " + _one_line(payload) + b"\n\n"
+
+
+def json_line(payload: dict) -> bytes:
+    """One line of newline-delimited JSON (Ollama's streams)."""
+    return _one_line(payload) + b"\n"
+
+
+def _one_line(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else _COMPACT_JSON.encode(payload)
     # Translating costs ~4x the encoding, and every token of non-English text is non-ASCII:
     # look for the three characters first.
     if not data.isascii() and ("\u2028" in data or "\u2029" in data or "\x85" in data):
         data = data.translate(_UNICODE_LINE_BREAKS)
-    return b"data: " + data.encode() + b"\n\n"
+    return data.encode()
 
 
 def typed_event(payload: dict) -> bytes:

@@ -54,7 +54,7 @@ def parse_embeddings(body: dict) -> EmbeddingsRequest:
     return EmbeddingsRequest(value, encoding == "base64")
 
 
-async def _embed(request: Request, state: AppState, inputs: list[list[int]]) -> list[array]:
+async def embed(request: Request, state: AppState, inputs: list[list[int]]) -> list[array]:
     """The vectors, computed in a worker thread. Within the request timeout, as a generation:
     its turns wait behind other requests' decodes, and 300,000 tokens take minutes on a CPU."""
     stop = threading.Event()
@@ -87,6 +87,18 @@ async def embeddings(request: Request, state: AppState) -> Response:
     inputs = [item if isinstance(item, list)
               else await tokenize_text(request, engine, item, add_special=True)
               for item in req.inputs]
+    n_tokens = check_inputs(state, engine, inputs)
+    vectors = await embed(request, state, inputs)
+    return JSONResponse({
+        "object": "list", "model": state.model_name,
+        "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.base64)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+
+def check_inputs(state: AppState, engine, inputs: list[list[int]]) -> int:
+    """The inputs' tokens summed; a 400 for an input that is empty, too long for the embedder
+    or holds ids past the vocabulary, or for inputs over MAX_TOKENS together."""
     for i, tokens in enumerate(inputs):
         if not tokens:
             raise APIError(400, f"input[{i}] has no tokens", param="input")
@@ -100,9 +112,4 @@ async def embeddings(request: Request, state: AppState) -> Response:
     if n_tokens > MAX_TOKENS:
         raise APIError(400, f"the inputs have {n_tokens} tokens; at most {MAX_TOKENS} a request",
                        param="input")
-    vectors = await _embed(request, state, inputs)
-    return JSONResponse({
-        "object": "list", "model": state.model_name,
-        "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.base64)}
-                 for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+    return n_tokens

@@ -15,7 +15,7 @@ from cllm.config import SamplingParams
 from cllm.engine.engine import Delta
 from cllm.engine.sequence import FINISH_LENGTH
 from cllm.errors import APIError
-from cllm.http import schemas
+from cllm.http import fim, schemas
 from cllm.http.common import (
     AppState,
     constrained,
@@ -49,7 +49,13 @@ class NativeCompletionRequest:
 def parse_completion(body: dict, *, max_tokens_limit: int) -> NativeCompletionRequest:
     """llama-server's body: prompt (text or token ids), n_predict (-1: until the context is
     full), its sampling fields with its defaults, stream, cache_prompt, return_tokens."""
-    prompt = schemas.read_prompt(body.get("prompt"))
+    return parse_generation(body, schemas.read_prompt(body.get("prompt")),
+                            max_tokens_limit=max_tokens_limit)
+
+
+def parse_generation(body: dict, prompt: str | list[int], *,
+                     max_tokens_limit: int) -> NativeCompletionRequest:
+    """/completion's fields other than the prompt, which /infill builds from its own."""
     schemas.refuse_unimplemented(body, _NOT_IMPLEMENTED)
     if schemas.read_field(body, "n_probs", "an integer", 0):
         raise APIError(400, "n_probs is not supported on /completion; use /v1/completions "
@@ -162,6 +168,23 @@ async def completion(request: Request, state: AppState) -> Response:
     return await respond(request, fmt, prompt, sampling, 1, req.stream, False, req.cache_prompt)
 
 
+async def infill(request: Request, state: AppState) -> Response:
+    """/completion for code: the prompt is built from input_prefix, input_suffix, input_extra
+    and prompt (http/fim.py), for a model whose vocabulary has fill-in-the-middle tokens."""
+    body = await read_json(request, state.config)
+    engine = state.engine_for(body)
+    fim.require_fim(engine.model, "input_prefix")
+    parts = fim.read_infill(body)
+    prompt = await tokenizer_work(request, fim.infill_prompt, engine.model, parts)
+    req = parse_generation(body, prompt, max_tokens_limit=engine.max_seq_len)
+    sampling = await constrained(engine, req.sampling, req.constraint)
+    fmt = new_format(NativeCompletionFormat, request, "cmpl", sampling,
+                     prompt=engine.model.detokenize(prompt, special=True), n_prompt=len(prompt),
+                     settings=sampling, detokenize=engine.model.detokenize,
+                     return_tokens=req.return_tokens)
+    return await respond(request, fmt, prompt, sampling, 1, req.stream, False, req.cache_prompt)
+
+
 async def props(request: Request, state: AppState) -> Response:
     """What llama-server's web UI and clients read first: context size, slots, model, chat
     template and the default sampling settings of /completion."""
@@ -174,11 +197,11 @@ async def props(request: Request, state: AppState) -> Response:
         "model_path": engine.model.path, "model_root": state.model_root,
         "modalities": {"vision": False, "audio": False},
         "chat_template": template.source or "", "bos_token": template.bos_token,
-        "eos_token": template.eos_token, "build_info": f"cllm {_version()}",
+        "eos_token": template.eos_token, "build_info": f"cllm {cllm_version()}",
         "endpoint_slots": False, "endpoint_props": True, "endpoint_metrics": True})
 
 
-def _version() -> str:
+def cllm_version() -> str:
     try:
         return version("cllm")
     except PackageNotFoundError:  # run from a checkout that was never installed

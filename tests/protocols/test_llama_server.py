@@ -1,5 +1,8 @@
-"""llama-server's /completion body (cllm/protocols/llama_server.py): no model needed."""
+"""llama-server's /completion body (cllm/protocols/llama_server.py), without a model; /infill on
+the real server."""
+import httpx
 import pytest
+from server_process import ServerProcess
 
 from cllm.errors import APIError
 from cllm.protocols.llama_server import SAMPLING_DEFAULTS, parse_completion, timings
@@ -65,3 +68,16 @@ def test_timings_split_at_the_first_token():
     assert t["prompt_n"] == 10 and t["prompt_ms"] == 500 and t["prompt_per_second"] == 20
     assert t["predicted_n"] == 5 and t["predicted_ms"] == 1000 and t["predicted_per_second"] == 5
     assert timings(3, 0, {})["predicted_per_second"] == 0.0
+
+
+def test_infill_is_a_400_naming_the_missing_fim_tokens():
+    """SmolLM2's vocabulary has no fill-in-the-middle tokens: /infill says so, in /completion's
+    error shape, and the server goes on serving."""
+    with ServerProcess() as srv:
+        r = httpx.post(srv.url + "/infill", json={"input_prefix": "def f(", "input_suffix": ")"})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "fim_not_supported"
+        assert r.json()["error"]["param"] == "input_prefix"
+        ok = httpx.post(srv.url + "/completion", json={"prompt": "def f(", "n_predict": 2},
+                        timeout=60)
+        assert ok.status_code == 200 and ok.json()["tokens_predicted"] == 2
