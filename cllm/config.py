@@ -101,6 +101,9 @@ class EngineConfig:
     # Whether their prompts stay cached in one pool: "auto" while recent requests start from
     # idle prompts (documents, conversations), not only from running sequences'; "keep", "drop".
     cache_prompts: str = "auto"
+    # MiB of host RAM for prefixes evicted from the KV cache (docs/design/kv-tiers.md); 0: off.
+    # None: an eighth of the memory available at start, at most 8 GiB.
+    cache_ram: int | None = None
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
     # travel to the host. None: on where a GPU runs the model, off on a CPU, where the logits
     # are in host memory already (docs/design/sampling.md).
@@ -141,6 +144,8 @@ class EngineConfig:
         if self.cpu_wait not in CPU_WAIT_MODES:
             raise ValueError(f"cpu_wait must be one of {', '.join(CPU_WAIT_MODES)}, "
                              f"got {self.cpu_wait!r}")
+        if self.cache_ram is not None and self.cache_ram < 0:
+            raise ValueError(f"cache_ram must be 0 (off) or positive MiB, got {self.cache_ram}")
         for name in ("cache_replies", "cache_prompts"):
             if getattr(self, name) not in RETENTION_MODES:
                 raise ValueError(f"{name} must be one of {', '.join(RETENTION_MODES)}, "

@@ -72,6 +72,10 @@ OPTIONS = {
     "request_timeout": (float, _ENGINE.request_timeout, "seconds a request may take in all"),
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
     "decode_steps": (int, _ENGINE.decode_steps,
+    "cache_ram": (int, _ENGINE.cache_ram,
+                  "MiB of host RAM for prefixes evicted from the KV cache, loaded back when a "
+                  "prompt starts with one (0: off; default: an eighth of the memory available at "
+                  "start, at most 8192)"),
                      "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
     "successor_wait": (float, _ENGINE.successor_wait,
                        "after a step that ended requests, wait up to this share of a step's time "
@@ -121,7 +125,7 @@ GROUPS = {
                             "shutdown_grace", "template_timeout", "tokenize_timeout",
                             "log_level"),
     "KV cache and scheduling": ("parallel", "ctx_size", "kv_unified", "prefix_cache",
-                                "cache_replies", "cache_prompts", "batch_size"),
+                                "cache_replies", "cache_prompts", "cache_ram", "batch_size"),
     "tuning": ("threads", "cpu_wait", "flash_attn", "backend_sampling", "ubatch_size",
                "prefill_stagger", "decode_steps", "successor_wait", "stream_interval"),
     "scale-out (Ray Serve)": ("replicas", "ray_address", "min_replicas", "max_replicas",
@@ -178,7 +182,7 @@ def build_config(options: dict) -> ServerConfig:
         cpu_wait=options["cpu_wait"],
         kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
         prefix_cache=options["prefix_cache"], cache_replies=options["cache_replies"],
-        cache_prompts=options["cache_prompts"],
+        cache_prompts=options["cache_prompts"], cache_ram=options["cache_ram"],
         n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"], successor_wait=options["successor_wait"],

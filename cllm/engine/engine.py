@@ -21,6 +21,7 @@ from typing import NamedTuple
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import structured
 from cllm.engine.batch import RunRows, StepRows
+from cllm.engine.kv_tiers import HostTier, default_cache_ram_mib
 from cllm.engine.pending import PendingTokens
 from cllm.engine.scheduler import SAMPLED_NOTHING, QueueFullError, Scheduler, SchedulerOutput
 from cllm.engine.sequence import (
@@ -182,6 +183,8 @@ class Engine:
         self.ctx.hold_run_shape = self.weights_on_gpu
         # A sequence may not outgrow its share of the cache, nor what the model was trained on.
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
+        cache_ram = default_cache_ram_mib() if config.cache_ram is None else config.cache_ram
+        self.host_tier = HostTier(cache_ram * 2**20)  # evicted prefixes (kv_tiers.py)
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
                                    kv_capacity=self.ctx.n_ctx, max_seq_len=self.max_seq_len,
                                    max_queue=config.max_queue,
@@ -193,7 +196,8 @@ class Engine:
                                    prefill_block=_core.PREFILL_BLOCK if aligned else 1,
                                    prefill_stagger=config.prefill_stagger or (None if gpu else 16),
                                    first_tokens_apart=aligned, lanes=lanes,
-                                   shared_prompt_tokens=None if gpu else SHARED_PROMPT_TOKENS)
+                                   shared_prompt_tokens=None if gpu else SHARED_PROMPT_TOKENS,
+                                   host_tier=self.host_tier)
         self.grammars = structured.Grammars(self.model)  # compiles for the API, any thread
         # On a GPU the CPU idles while a step decodes: fill the bitmasks then, on threads of
         # their own. On a CPU every core is llama.cpp's: one thread, before the step.
@@ -469,8 +473,24 @@ class Engine:
         for op in ops:
             if op.kind == "clear":
                 self.ctx.remove_sequence(op.dst)
-            else:
+            elif op.kind == "share":
                 self.ctx.share_prefix(op.dst, op.src, op.length)
+            else:
+                self._copy_kv(op)
+
+    def _copy_kv(self, op) -> None:
+        """A save to the host tier or a load from it: a copy of a slot's cells on this thread,
+        between steps (llama.cpp's context takes one caller at a time), timed apart in the step
+        timer as "kv_tiers"."""
+        started = time.perf_counter()
+        if op.kind == "save":
+            data = self.ctx.save_sequence(op.dst)
+            self.host_tier.store(op.entry, data, time.perf_counter() - started)
+        else:
+            self.ctx.load_sequence(op.dst, op.entry.data)
+            self.ctx.share_prefix(op.dst, op.dst, op.length)
+            self.host_tier.restored(op.length, time.perf_counter() - started)
+        self.timer.aside("kv_tiers", time.perf_counter() - started)
 
     def _prepare_sequences(self, out: SchedulerOutput) -> None:
         self._settle_released(out.released)  # timed out or preempted while planning this step

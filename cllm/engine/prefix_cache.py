@@ -13,7 +13,11 @@ own. Pure Python: no llama.cpp here; the scheduler turns decisions into `KvOp`s 
 
 In one pool every row of a step attends over every cell held, so whatever a finished sequence
 leaves cached costs every later step; two `Retention` rules decide whether its reply and its
-prompt stay cached (docs/design/prefix-cache.md)."""
+prompt stay cached (docs/design/prefix-cache.md).
+
+Under the slots, an optional host-RAM tier (cllm/engine/kv_tiers.py): an evicted prefix is saved
+there, and a prompt that shares more with a saved prefix than with any slot has it loaded into
+its slot (docs/design/kv-tiers.md)."""
 from __future__ import annotations
 
 import itertools
@@ -56,12 +60,15 @@ class Slot:
 
 @dataclass(slots=True, frozen=True)
 class KvOp:
-    """What the engine does to llama.cpp's KV before the next decode: `clear` a slot, or make
-    slot `dst` hold exactly the first `length` positions of slot `src` (src == dst: trim)."""
-    kind: str  # "clear" or "share"
+    """What the engine does to llama.cpp's KV before the next decode: `clear` a slot, make
+    slot `dst` hold exactly the first `length` positions of slot `src` (src == dst: trim),
+    `save` slot `dst`'s KV into the host tier's `entry`, or `load` the entry's KV into slot
+    `dst`, keeping its first `length` positions."""
+    kind: str  # "clear", "share", "save" or "load"
     dst: int
     src: int = -1
     length: int = 0
+    entry: object = None  # a kv_tiers.HostEntry, for "save" and "load"
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,12 +76,14 @@ class Placement:
     """Where a new sequence goes: slot `dst`, starting from `src`'s first `length` tokens.
     `continues_reply`: its prompt goes on past an idle slot's prompt into that slot's reply.
     `reuses_idle_prompt`: an idle slot's prompt (kept or not) gives it a longer prefix than any
-    running sequence's, by at least PrefixCache.IDLE_PROMPT_GAIN tokens."""
+    running sequence's, by at least PrefixCache.IDLE_PROMPT_GAIN tokens. `restore`: the host
+    tier's entry (kv_tiers.HostEntry) whose first `length` tokens it starts from (src is None)."""
     dst: Slot
     src: Slot | None
     length: int
     continues_reply: bool = False
     reuses_idle_prompt: bool = False
+    restore: object = None
 
 
 class Retention:
@@ -146,7 +155,8 @@ class PrefixCache:
     IDLE_PROMPT_GAIN = 32
 
     def __init__(self, n_slots: int, *, shared_cells: bool, enabled: bool = True,
-                 block: int = 1, replies: str = "auto", prompts: str = "auto") -> None:
+                 block: int = 1, replies: str = "auto", prompts: str = "auto",
+                 host=None) -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         self.shared_cells = shared_cells
         # Split streams: an idle stream is outside every other row's attention, so it costs
@@ -158,6 +168,7 @@ class PrefixCache:
                                  min_admissions=Retention.WINDOW)
         self.block = block
         self.enabled = enabled
+        self.host = host  # a kv_tiers.HostTier, or None
         self.cells_used = 0
         # Each slot's held tokens (its idle tokens or its running sequence's prompt) packed
         # once: those lists are replaced, never changed in place, so the list itself is the key.
@@ -229,12 +240,32 @@ class PrefixCache:
         packed_tokens = pack(tokens)
         match = self._match(tokens, packed_tokens, limit, live_prefix)
         src = match.src
+        restore = self._host_match(tokens, packed_tokens, limit, match.length)
+        if restore is not None:
+            return replace(restore, dst=min(idle, key=self._preference),
+                           continues_reply=match.continues_reply,
+                           reuses_idle_prompt=match.reuses_idle_prompt)
         if self._takes_over(match, tokens, packed_tokens):
             return match
         dst = min((s for s in idle if s is not src), key=self._preference, default=None)
         if dst is None:  # the source is the only idle slot: reuse it in place after all
             return match
         return replace(match, dst=dst)
+
+    def _host_match(self, tokens: list[int], packed_tokens: bytes, limit: int,
+                    in_slots: int) -> Placement | None:
+        """A placement (its dst still to choose) starting from the host tier's entry that gives
+        at least HostTier.MIN_TOKENS more than the `in_slots` tokens a slot gives; else None."""
+        if self.host is None or not self.enabled or limit <= 0:
+            return None
+        entry, common = self.host.match(packed_tokens)
+        if entry is None:
+            return None
+        n = self._reusable(min(common, limit), entry.prompt_length, len(tokens))
+        if n - in_slots < self.host.MIN_TOKENS:
+            return None
+        self.host.hit(entry)
+        return Placement(None, None, n, restore=entry)
 
     def _takes_over(self, match: Placement, tokens: list[int], packed_tokens: bytes) -> bool:
         """Whether a new sequence of `tokens` reuses its match's idle slot in place, dropping
@@ -280,7 +311,11 @@ class PrefixCache:
         if resuming is None and any(s.tokens for s in self.idle_slots()):
             self.replies.admitted(placement.continues_reply)
             self.prompts.admitted(placement.reuses_idle_prompt)
-        if src is None or length == 0:
+        ops = self._save(dst) if dst is not src and dst.runs else []
+        if placement.restore is not None:
+            op = KvOp("load", dst.id, length=length, entry=placement.restore)
+            dst.runs = [self._new_run(0, length)]
+        elif src is None or length == 0:
             op = KvOp("clear", dst.id)
             dst.runs = []
         elif src is dst:
@@ -297,7 +332,7 @@ class PrefixCache:
         dst.resuming = None
         dst.own_group = None
         dst.last_used = next(self._clock)
-        ops = [op]
+        ops.append(op)
         if resuming is not None:  # its old slot, if it resumed elsewhere, goes to the rules
             ops += self.abandon(resuming)
         self._recount()
@@ -307,6 +342,8 @@ class PrefixCache:
         """How much of a starting sequence's prefix others' cells gave it. A sequence resuming
         after preemption starts from its own cells: only what it found when it first started
         counts."""
+        if placement.restore is not None and resuming is None:
+            return placement.length
         if placement.src is None:
             return 0
         if resuming is None:
@@ -341,7 +378,7 @@ class PrefixCache:
         slot.prompt_length = min(len(computed_tokens) if prompt_length is None else prompt_length,
                                  len(computed_tokens))
         if not (self.enabled and keep):
-            return self.evict(slot)
+            return self._forget(slot)
         slot.resuming = resuming
         # Its own trim always goes out: it also drops cells a decode wrote past what it computed.
         ops = [self._trim(slot, self._kept_length(slot))]
@@ -379,7 +416,18 @@ class PrefixCache:
         return KvOp("share", slot.id, slot.id, length) if slot.runs else KvOp("clear", slot.id)
 
     def evict(self, slot: Slot) -> list[KvOp]:
-        """Forget what an idle slot holds."""
+        """Forget what an idle slot holds, saved to the host tier first if there is one."""
+        return self._save(slot) + self._forget(slot)
+
+    def _save(self, slot: Slot) -> list[KvOp]:
+        """The op that copies an idle slot's cells to the host tier, if it takes them."""
+        if self.host is None or not self.enabled:
+            return []
+        held = slot.cached
+        entry = self.host.reserve(slot.tokens[:held], min(slot.prompt_length, held))
+        return [KvOp("save", slot.id, length=held, entry=entry)] if entry is not None else []
+
+    def _forget(self, slot: Slot) -> list[KvOp]:
         slot.tokens, slot.runs, slot.own_group, slot.prompt_length = [], [], None, 0
         slot.started_from = 0
         slot.resuming = None

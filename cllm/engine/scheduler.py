@@ -87,7 +87,8 @@ class Scheduler:
                  prefix_cache: bool = True, cache_replies: str = "auto",
                  cache_prompts: str = "auto", prefill_block: int = 1,
                  prefill_stagger: int | None = None, first_tokens_apart: bool = False,
-                 lanes: int = 0, shared_prompt_tokens: int | None = None) -> None:
+                 lanes: int = 0, shared_prompt_tokens: int | None = None,
+                 host_tier=None) -> None:
         self.max_seqs = max_seqs
         self.lanes = lanes
         self.shared_prompt_tokens = shared_prompt_tokens
@@ -101,7 +102,7 @@ class Scheduler:
         self.eog_tokens = eog_tokens
         self.cache = PrefixCache(n_slots or max_seqs + lanes, shared_cells=shared_kv,
                                  enabled=prefix_cache, block=prefill_block, replies=cache_replies,
-                                 prompts=cache_prompts)
+                                 prompts=cache_prompts, host=host_tier)
         self.waiting: deque[Sequence] = deque()
         self.fair_share = FairShare()
         self.running: list[Sequence] = []
@@ -546,7 +547,9 @@ class Scheduler:
             return True
         if placement.dst is not placement.src and placement.dst.runs:
             self._kv_ops += self.cache.evict(placement.dst)
-        return self._reclaim(seq.num_tokens - placement.length + 1, keep=placement.src)
+        # A load from the host tier puts all of its entry's cells back, then trims them.
+        loaded = len(placement.restore.tokens) if placement.restore is not None else 0
+        return self._reclaim(seq.num_tokens - placement.length + 1 + loaded, keep=placement.src)
 
     def _live_prefix(self, slot: Slot) -> tuple[list[int], int]:
         """What a running sequence's slot can share: its prompt, as far as it is computed."""

@@ -51,6 +51,12 @@ class StepTimer:
         self._last = now
         return seconds
 
+    def aside(self, phase: str, seconds: float) -> None:
+        """Count the last `seconds` of the phase running now as `phase` instead (work that
+        several phases may do, such as copying KV to and from the host tier)."""
+        self._laps[phase] += seconds
+        self._last += seconds
+
     def add_run(self, timing: dict, call_seconds: float) -> None:
         """This call's decode run as `Context.run_timing()` times it (means a forward step, made
         totals again so that they add up over calls), and as "outside" what the call's decode

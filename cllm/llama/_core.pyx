@@ -15,6 +15,7 @@ One extension module, its parts in the include files beside it, by concern:
 Cython includes files at module level only, so the parts of Context kept out of its class body
 are module-level cdef functions that take the Context as `self`: C calls, as its cdef methods
 were, with no Python call in between."""
+import mmap
 import os
 import secrets
 from array import array
@@ -23,7 +24,6 @@ from collections import namedtuple
 from cllm.config import usable_cores
 
 from cpython cimport array as carray
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, logf, sqrt, INFINITY
 from libc.stdint cimport int32_t, uint8_t, uint32_t

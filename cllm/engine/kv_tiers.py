@@ -1,0 +1,118 @@
+"""The host-RAM tier under the prefix cache: prefixes the KV pool evicts, kept as copies of their
+sequence's KV state (llama.cpp's per-sequence state) in host memory, up to a byte budget, least
+recently used dropped first. A later prompt that starts with more of an entry's tokens than any
+slot holds has the copy loaded into its slot instead of computing that prefix again
+(docs/design/kv-tiers.md).
+
+Pure Python: the prefix cache decides what to save and what to load (as `KvOp`s carrying an
+entry), the engine copies the bytes and reports them here."""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cllm.engine.prefix_cache import common_packed_prefix, pack
+
+
+@dataclass(slots=True, eq=False)
+class HostEntry:
+    """One evicted prefix: its tokens (positions 0..), how many of them were a prompt, and once
+    the engine has copied it, the sequence state."""
+    tokens: list[int]
+    packed: bytes
+    prompt_length: int
+    data: object = None  # a buffer (Context.save_sequence: a memory map of its own)
+
+
+class HostTier:
+    """Evicted prefixes in host RAM, at most `capacity` bytes of state (0: the tier is off).
+    An entry whose tokens another entry starts with is redundant and dropped; an entry dropped
+    for room while a load of it is pending stays alive in that load's `KvOp` until applied."""
+
+    # Shorter prefixes cost less to compute than to look up and copy.
+    MIN_TOKENS = 32
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[int, HostEntry] = OrderedDict()  # least recently used first
+        self.bytes = 0
+        self.cells = 0  # KV cells the stored entries hold
+        self.saves = 0
+        self.save_seconds = 0.0
+        self.hits = 0  # prompts placed on an entry
+        self.restores = 0  # entries loaded into a slot
+        self.restore_seconds = 0.0
+        self.restored_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reserve(self, tokens: list[int], prompt_length: int) -> HostEntry | None:
+        """An entry for a prefix about to be evicted, for the engine to fill (`store`); None
+        when the tier is off, the prefix is short or an entry holds it already."""
+        if not self.enabled or len(tokens) < self.MIN_TOKENS:
+            return None
+        packed = pack(tokens)
+        for key, entry in self._entries.items():
+            if entry.packed.startswith(packed):
+                self._entries.move_to_end(key)  # in use again: as recent as a new copy
+                return None
+        for key in [k for k, e in self._entries.items() if packed.startswith(e.packed)]:
+            self._drop(key)
+        entry = HostEntry(tokens, packed, prompt_length)
+        self._entries[id(entry)] = entry
+        return entry
+
+    def store(self, entry: HostEntry, data, seconds: float) -> None:
+        """The engine copied `entry`'s state; older entries go until the tier fits its budget
+        (the new one too, if alone it does not fit)."""
+        entry.data = data
+        self.saves += 1
+        self.save_seconds += seconds
+        if id(entry) not in self._entries:
+            return
+        self.bytes += len(data)
+        self.cells += len(entry.tokens)
+        while self.bytes > self.capacity:
+            self._drop(next(iter(self._entries)))
+
+    def match(self, packed_tokens: bytes) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest prefix with a prompt, and how many tokens it shares."""
+        best, best_len = None, 0
+        for entry in self._entries.values():
+            n = common_packed_prefix(entry.packed, packed_tokens)
+            if n > best_len:
+                best, best_len = entry, n
+        return best, best_len
+
+    def hit(self, entry: HostEntry) -> None:
+        """A prompt will start from `entry`: it is the most recently used."""
+        self.hits += 1
+        if id(entry) in self._entries:
+            self._entries.move_to_end(id(entry))
+
+    def restored(self, tokens: int, seconds: float) -> None:
+        self.restores += 1
+        self.restored_tokens += tokens
+        self.restore_seconds += seconds
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        if entry.data is not None:
+            self.bytes -= len(entry.data)
+            self.cells -= len(entry.tokens)
+
+
+def default_cache_ram_mib() -> int:
+    """--cache-ram when none is given: an eighth of the memory available now, at most 8 GiB
+    (llama-server's default), so the tier never crowds out the pool or the rest of the machine."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+    return min(8192, available // 8 // 2**20)
