@@ -168,20 +168,35 @@ def test_format_json_and_a_schema(api):
     assert isinstance(json.loads(reply.response), dict)
 
 
-def test_tools_and_earlier_calls_in_ollama_s_shape_are_taken(api):
-    tool = {"type": "function", "function": {
-        "name": "get_weather", "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-    messages = [{"role": "user", "content": "Weather in Rome?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
-                {"role": "tool", "content": "sunny, 24 C", "tool_name": "get_weather"},
-                {"role": "user", "content": "And in Oslo?"}]
-    with_tools = api.chat(model=MODEL, messages=messages, tools=[tool],
-                          options={"num_predict": 2})
-    without = api.chat(model=MODEL, messages=messages, options={"num_predict": 2})
-    # The tools are described in the prompt: it is longer by their description.
-    assert with_tools.prompt_eval_count > without.prompt_eval_count
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def _asked_and_answered(city):
+    """An exchange in Ollama's shape: a call with its arguments as an object, its result."""
+    return [{"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": city}}}]},
+            {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
+            {"role": "assistant", "content": f"It is sunny in {city}."}]
+
+
+def test_a_tool_call_comes_in_ollama_s_shape_whole_and_streamed(api):
+    # Two earlier exchanges show SmolLM2 the convention; greedy, it then calls the tool.
+    messages = [*_asked_and_answered("Rome"), *_asked_and_answered("Oslo"),
+                {"role": "user", "content": "Weather in Paris?"}]
+    options = {"temperature": 0, "num_predict": 60}
+    whole = api.chat(model=MODEL, messages=messages, tools=[WEATHER], options=options)
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})]
+    assert whole.message.content == "" and whole.done_reason == "stop"
+    parts = list(api.chat(model=MODEL, messages=messages, tools=[WEATHER], options=options,
+                          stream=True))
+    streamed = [(c.function.name, c.function.arguments)
+                for p in parts for c in p.message.tool_calls or ()]
+    assert streamed == calls and parts[-1].done
 
 
 def test_embed_and_the_older_embeddings(api, server):
