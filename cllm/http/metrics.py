@@ -206,6 +206,38 @@ def step_timer_counts(exposition: str, replica: str | None = None) -> dict | Non
                 key, label = labelled[sample.name]
                 name = sample.labels[label]
                 counts[key][name] = counts[key].get(name, 0.0) + sample.value
+class _KvTiers:
+    """The prefix cache by tier, read when scraped: cells in the KV pool ("pool") and in host
+    RAM ("ram", docs/design/kv-tiers.md), and the RAM tier's bytes, budget and traffic."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        host = self.engine.host_tier
+        cells = GaugeMetricFamily("cllm_kv_tier_cells", "KV cells holding cached prefixes, by "
+                                  "tier (pool: idle slots' cells; ram: evicted prefixes' copies)",
+                                  labels=["tier"])
+        cells.add_metric(["pool"], self.engine.cached_cells)
+        cells.add_metric(["ram"], host.cells)
+        yield cells
+        yield GaugeMetricFamily("cllm_kv_tier_ram_bytes", "Bytes of KV copies in host RAM",
+                                value=host.bytes)
+        yield GaugeMetricFamily("cllm_kv_tier_ram_capacity_bytes",
+                                "The RAM tier's budget (--cache-ram; 0: off)", value=host.capacity)
+        for name, help_, value in (
+                ("ram_entries", "Evicted prefixes held in RAM", len(host)),
+                ("ram_saves", "Evicted prefixes copied to RAM", host.saves),
+                ("ram_save_seconds", "Engine-thread seconds spent copying them", host.save_seconds),
+                ("ram_hits", "Prompts placed on a prefix held in RAM", host.hits),
+                ("ram_restores", "Prefixes loaded from RAM into a slot", host.restores),
+                ("ram_restored_tokens", "Prompt tokens those loads gave", host.restored_tokens),
+                ("ram_restore_seconds", "Engine-thread seconds spent loading them",
+                 host.restore_seconds)):
+            family = GaugeMetricFamily if name == "ram_entries" else CounterMetricFamily
+            yield family(f"cllm_kv_tier_{name}", help_, value=value)
+
+
             elif sample.name in names:
                 key = names[sample.name]
                 counts[key] = counts.get(key, 0) + int(sample.value)

@@ -1,11 +1,18 @@
 """/metrics (cllm/http/metrics.py): the step timer read back as the benchmark reads it,
-from one server and from a scale-out front that merged several replicas."""
-from engine_checks import call
+from one server and from a scale-out front that merged several replicas; the prefix cache's
+tiers."""
+import asyncio
 
+from engine_checks import call, run_tokens
+from prometheus_client.parser import text_string_to_metric_families
+
+from cllm.config import EngineConfig
+from cllm.engine.engine import Engine
 from cllm.engine.steptimer import StepTimer
 from cllm.http.metrics import (
     Metrics,
     _EngineSteps,
+    _KvTiers,
     merge,
     priority_label,
     step_timer_counts,
@@ -73,3 +80,27 @@ def test_labels_stay_few_whatever_clients_send():
     assert user_label("client-7", named) == user_label("client-7", named)
     assert [priority_label(p) for p in (-1000, -9, 0, 4, 9, 10**9)] == [
         "-9", "-9", "0", "4", "9", "9"]
+
+
+def test_the_kv_tiers_read_back_by_tier(model_path):
+    engine = Engine(EngineConfig(n_ctx=2048, n_parallel=1, n_threads=2, kv_unified=False,
+                                 cache_ram=64), model_path)
+    try:
+        story = " a clockmaker repaired every clock in the valley except his own." * 8
+        for name in ("Ann", "Bob"):  # one stream: the second evicts the first to RAM
+            tokens = engine.model.tokenize(name + story, add_special=False)
+            asyncio.run(run_tokens(engine, tokens, max_tokens=2, temperature=0))
+        metrics = Metrics()
+        metrics.registry.register(_KvTiers(engine))
+        samples = {(s.name, s.labels.get("tier")): s.value
+                   for family in text_string_to_metric_families(metrics.render().decode())
+                   for s in family.samples}
+    finally:
+        engine.shutdown()
+    host = engine.host_tier
+    assert samples[("cllm_kv_tier_cells", "ram")] == host.cells > 0
+    assert samples[("cllm_kv_tier_cells", "pool")] == engine.cached_cells > 0
+    assert samples[("cllm_kv_tier_ram_bytes", None)] == host.bytes > 0
+    assert samples[("cllm_kv_tier_ram_capacity_bytes", None)] == 64 * 2**20
+    assert samples[("cllm_kv_tier_ram_saves_total", None)] == host.saves == 1
+    assert samples[("cllm_kv_tier_ram_restores_total", None)] == 0
