@@ -7,7 +7,8 @@ Bodies are translated into cllm's requests: `options` into SamplingParams (Ollam
 what a request leaves out), `format` into a JSON Schema constraint, `tools` into cllm's tool
 calls (http/tools.py), a generate's `suffix` into a fill-in-the-middle prompt (http/fim.py).
 Whatever cllm does not implement is refused by name with a 400 in Ollama's error shape
-{"error": "..."}. Durations are measured, in nanoseconds. `context`, which Ollama deprecated,
+{"error": "..."}. `keep_alive` is read and checked; the served model stays resident whatever it
+says, as /api/ps shows. Durations are measured, in nanoseconds. `context`, which Ollama deprecated,
 is neither taken nor returned: a conversation goes to /api/chat, whose earlier turns the prefix
 cache finds again."""
 from __future__ import annotations
@@ -55,7 +56,7 @@ _SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "
 # cllm's repeat penalty looks back 64 tokens, as Ollama's does by default. Any other value, and
 # any option not named here or above, is refused.
 _HARMLESS_OPTIONS = {"repeat_last_n": (64,), "mirostat": (0,), "typical_p": (1,),
-                     "tfs_z": (1,), "num_keep": ()}
+                     "tfs_z": (1,)}
 # Top-level fields refused unless absent or one of these values.
 _NOT_IMPLEMENTED = {"think": (False,), "logprobs": (False,), "top_logprobs": (0,)}
 # A duration in Go's notation ("5m", "1h30m", "-1s"), as keep_alive takes it.
