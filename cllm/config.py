@@ -104,6 +104,10 @@ class EngineConfig:
     # MiB of host RAM for prefixes evicted from the KV cache (docs/design/kv-tiers.md); 0: off.
     # None: an eighth of the memory available at start, at most 8 GiB.
     cache_ram: int | None = None
+    # A folder for prefixes evicted from RAM and for all cached prefixes at a clean shutdown, so
+    # a restarted server goes on from them; None: no disk tier. At most cache_disk MiB of files.
+    cache_dir: str | None = None
+    cache_disk: int = 8192
     # Greedy sequences sampled inside llama.cpp's decode graph, on the device: their logits never
     # travel to the host. None: on where a GPU runs the model, off on a CPU, where the logits
     # are in host memory already (docs/design/sampling.md).
@@ -228,6 +232,15 @@ class ServerConfig:
     # at once, then every `stream_interval` tokens (cllm/engine/pending.py; the figures are in
     # docs/design/streaming.md).
     stream_interval: int = 1
+    # Several models (cllm/http/registry.py): --model arguments (none: engine.model alone), a
+    # folder whose GGUF files are served too, seconds a loaded model stays loaded once idle
+    # (0: unloads after its last request, negative: never; None: never with one model, else
+    # DEFAULT_KEEP_ALIVE), the most loaded at once (0: no cap), names that stay loaded.
+    models: tuple[str, ...] = ()
+    models_dir: str | None = None
+    keep_alive: float | None = None
+    models_max: int = 0
+    pinned: tuple[str, ...] = ()
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -237,10 +250,41 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        if self.models_max < 0:
+            raise ValueError(f"models_max must be 0 (no cap) or more, got {self.models_max}")
+
+    def keep_alive_for(self, n_models: int) -> float:
+        """Seconds an idle model stays loaded; infinite: never unloads."""
+        if self.keep_alive is None:
+            return math.inf if n_models == 1 else DEFAULT_KEEP_ALIVE
+        return math.inf if self.keep_alive < 0 else self.keep_alive
 
     def keys(self) -> tuple[ApiKey, ...]:
         """Every key that opens the server: --api-key's (no name) and the key file's."""
         return ((ApiKey(self.api_key),) if self.api_key else ()) + self.api_keys
+
+
+DEFAULT_KEEP_ALIVE = 300.0  # Ollama's five minutes, for a server of several models
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float) -> float:
+    """A keep-alive as Ollama writes it: seconds as a number, or a number with a unit
+    ("500ms", "30s", "5m", "1h", "-1"); negative means forever."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    value = text.strip()
+    for unit in sorted(_DURATION_UNITS, key=len, reverse=True):
+        if value.endswith(unit) and value[:-len(unit)].strip():
+            number, scale = value[:-len(unit)], _DURATION_UNITS[unit]
+            break
+    else:
+        number, scale = value, 1.0
+    try:
+        return float(number) * scale
+    except ValueError:
+        raise ValueError(f"not a duration: {text!r} (seconds, or a number with ms, s, m or h, "
+                         "as in 5m; negative: never)") from None
 
 
 CPU_WAIT_MODES = ("auto", "spin", "sleep")

@@ -61,6 +61,27 @@ ALIASES: dict[str, ModelSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A model a server may load: its served name, what --model said (an alias or a path,
+    which names its repository when the file does not) and its GGUF file."""
+    name: str
+    argument: str
+    path: str
+
+
+def check_names(sources: list[ModelSource], pinned: tuple[str, ...]) -> None:
+    """Each model's name is its own, and each pinned name is a served model's."""
+    names = [s.name for s in sources]
+    if not names:
+        raise ValueError("no model to serve")
+    if len(set(names)) != len(names):
+        raise ValueError(f"two models share a name: {', '.join(names)}")
+    unknown = set(pinned) - set(names)
+    if unknown:
+        raise ValueError(f"--pin names no served model: {', '.join(sorted(unknown))}")
+
+
 def cache_dir() -> Path:
     """$CLLM_CACHE_DIR, else $XDG_CACHE_HOME/cllm, else ~/.cache/cllm; empty ones count as unset."""
     if os.environ.get("CLLM_CACHE_DIR"):

@@ -15,21 +15,42 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 
-from cllm.app.launch import check_model_file, serve
-from cllm.config import ApiKey, EngineConfig, ServerConfig, parse_api_keys
-from cllm.models import resolve_model
+from cllm.app.launch import model_sources, serve
+from cllm.config import ApiKey, EngineConfig, ServerConfig, parse_api_keys, parse_duration
 
 
 def _flag(value) -> bool:
     return str(value).lower() in ("1", "true", "yes", "on")
 
 
+def _several(value) -> tuple[str, ...]:
+    """An option that may be given several times: flags repeated, a TOML list, or a variable's
+    values separated by commas."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) for v in value)
+    return tuple(v.strip() for v in str(value).split(",") if v.strip())
+
+
 # option name → (type, default, help); the defaults are the config dataclasses'.
 _ENGINE, _SERVER = EngineConfig(), ServerConfig()
 OPTIONS = {
-    "model": (str, _ENGINE.model, "GGUF path or alias (smollm2-135m-instruct, gemma3-270m)"),
+    "model": (_several, None,
+              f"GGUF path or alias ({_ENGINE.model}, gemma3-270m), optionally NAME=either; "
+              "repeat it to serve several models, each loaded on its first request"),
+    "models_dir": (str, None, "serve every .gguf file of this folder too, each by its file name"),
     "served_model_name": (str, None, "the model's name in the API (default: the --model alias "
-                          "or file name)"),
+                          "or file name); with one model only"),
+    "keep_alive": (parse_duration, None,
+                   "how long an idle model stays loaded: seconds, or 30s, 5m, 1h; 0 unloads it "
+                   "after its last request, a negative value never (default: never with one "
+                   "model, 5m with several)"),
+    "models_max": (int, _SERVER.models_max,
+                   "models loaded at once (0: no cap); the least recently used idle one unloads "
+                   "to make room"),
+    "pin": (_several, None, "a model's name that stays loaded (repeat it for several); pinned "
+            "models load as the server starts"),
     "host": (str, _SERVER.host, "address to bind; 0.0.0.0 exposes the server to the network"),
     "port": (int, _SERVER.port, "port to listen on"),
     "parallel": (int, _ENGINE.n_parallel, "sequences decoded together (seq ids)"),
@@ -119,7 +140,8 @@ OPTIONS = {
 # --help's sections, in order: what most users set first, the rules the server sets itself
 # (defaults chosen by the device, docs/design/ says why) in "tuning".
 GROUPS = {
-    "model": ("model", "served_model_name", "n_gpu_layers"),
+    "model": ("model", "models_dir", "served_model_name", "keep_alive", "models_max", "pin",
+              "n_gpu_layers"),
     "server and security": ("host", "port", "api_key", "api_key_file", "request_timeout",
                             "max_queue", "max_body_bytes", "client_timeout", "max_connections",
                             "shutdown_grace", "template_timeout", "tokenize_timeout",
@@ -151,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> dict:
     args = vars(parser.parse_args(argv))
     file_values = _read_config(args.pop("config"))
     unknown = set(file_values) - set(OPTIONS)
+            elif type_ is _several:
+                group.add_argument(flag, action="append", default=None, help=help_)
     if unknown:
         parser.error(f"unknown option(s) in the config file: {', '.join(sorted(unknown))}")
     return {name: _pick(name, args[name], file_values) for name in OPTIONS}
@@ -175,10 +199,12 @@ def _pick(name: str, flag, file_values: dict):
 
 def build_config(options: dict) -> ServerConfig:
     engine = EngineConfig(
-        model=options["model"], n_ctx=options["ctx_size"], n_parallel=options["parallel"],
+        model=first, n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
         prefill_stagger=options["prefill_stagger"],
         n_threads=options["threads"],
+    models = _several(options["model"])
+    first = models[0].rpartition("=")[2] if models else _ENGINE.model
         cpu_wait=options["cpu_wait"],
         kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
         prefix_cache=options["prefix_cache"], cache_replies=options["cache_replies"],
@@ -197,6 +223,9 @@ def build_config(options: dict) -> ServerConfig:
                         tokenize_timeout=options["tokenize_timeout"],
                         client_timeout=options["client_timeout"],
                         max_connections=options["max_connections"],
+                        models=models, models_dir=options["models_dir"],
+                        keep_alive=options["keep_alive"], models_max=options["models_max"],
+                        pinned=_several(options["pin"]),
                         stream_interval=options["stream_interval"], engine=engine)
 
 
@@ -227,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(options)
-        model_path = resolve_model(config.engine.model)
-        check_model_file(model_path)
+        sources = model_sources(config)
     except (ValueError, RuntimeError) as exc:
         print(f"cllm: error: {exc}", file=sys.stderr)
         return 2
@@ -239,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from cllm.scaleout.cluster import (
                 serve_on_ray,  # Ray is an extra: imported when asked for
+        if len(sources) > 1:
+            print("cllm: error: a scale-out serves one model", file=sys.stderr)
+            return 2
             )
         except ModuleNotFoundError as exc:
             print(f"cllm: error: --replicas and --ray-address need Ray ({exc}): "
                   "pip install 'cllm[ray]'", file=sys.stderr)
             return 2
         return serve_on_ray(config, options)
-    return serve(config, model_path)
+    return serve(config, sources)
 
 
 if __name__ == "__main__":

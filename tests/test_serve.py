@@ -1,6 +1,7 @@
 """cllm.serve's options: flag over CLLM_ variable over TOML file over default, and bad values
 refused before anything loads, from flags and from a real process."""
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from packaging.requirements import Requirement  # pytest's own dependency
 from server_process import ServerProcess
 
 from cllm import serve
+from cllm.app import launch
 from cllm.config import EngineConfig, apply_cpu_wait, cpu_wait_while_loading, usable_cores
 
 
@@ -204,10 +206,60 @@ def test_the_example_config_sets_every_option_when_uncommented(tmp_path):
     config.write_text("\n".join(settings) + "\n")
     options = serve.parse_args(["--config", str(config)])
     assert sorted(line.split(" = ")[0] for line in settings) == sorted(serve.OPTIONS)
-    assert options["port"] == 8080 and options["model"] == "smollm2-135m-instruct"
+    assert options["port"] == 8080 and options["model"] == ("smollm2-135m-instruct",)
     assert options["kv_unified"] is False and options["gpus_per_replica"] == 1.0
 
 
 def test_the_configuration_page_lists_every_option():
     page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     assert all(f"`--{name.replace('_', '-')}" in page for name in serve.OPTIONS)
+
+
+def test_several_models_and_their_policy_reach_the_config(tmp_path):
+    config = serve.build_config(serve.parse_args([
+        "--model", "smollm2-135m-instruct", "--model", "gemma=gemma3-270m",
+        "--keep-alive", "5m", "--models-max", "1", "--pin", "gemma"]))
+    assert config.models == ("smollm2-135m-instruct", "gemma=gemma3-270m")
+    assert (config.keep_alive, config.models_max, config.pinned) == (300.0, 1, ("gemma",))
+    sources = launch.model_sources(config)
+    assert [s.name for s in sources] == ["smollm2-135m-instruct", "gemma"]
+    assert sources[1].argument == "gemma3-270m" and sources[1].path.endswith(".gguf")
+    assert config.keep_alive_for(2) == 300.0
+
+
+def test_keep_alive_defaults_to_never_with_one_model_and_five_minutes_with_several():
+    config = serve.build_config(serve.parse_args([]))
+    assert config.keep_alive_for(1) == math.inf and config.keep_alive_for(2) == 300.0
+    for given, seconds in [("0", 0.0), ("-1", math.inf), ("30s", 30.0), ("1h", 3600.0),
+                           ("500ms", 0.5), ("90", 90.0)]:
+        config = serve.build_config(serve.parse_args(["--keep-alive", given]))
+        assert config.keep_alive_for(2) == seconds
+
+
+def test_models_dir_serves_every_gguf_file_in_it(tmp_path, model_path, gemma_path):
+    for path in (model_path, gemma_path):
+        (tmp_path / Path(path).name).symlink_to(path)
+    (tmp_path / "notes.txt").write_text("not a model")
+    config = serve.build_config(serve.parse_args(["--models-dir", str(tmp_path)]))
+    names = [s.name for s in launch.model_sources(config)]
+    assert names == sorted([Path(gemma_path).name, Path(model_path).name])
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--model", "smollm2-135m-instruct", "--pin", "gemma"], "--pin names no served model"),
+    (["--model", "a=smollm2-135m-instruct", "--model", "a=gemma3-270m"], "share a name"),
+    (["--model", "smollm2-135m-instruct", "--model", "gemma3-270m", "--served-model-name", "x"],
+     "--served-model-name names the only model"),
+    (["--models-max", "-1"], "models_max must be 0"),
+    (["--models-dir", "/nonexistent/folder"], "is not a folder"),
+])
+def test_bad_model_sets_exit_2_with_the_reason(argv, reason, capsys):
+    assert serve.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cllm: error:") and reason in err
+
+
+def test_a_keep_alive_that_is_no_duration_is_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        serve.parse_args(["--keep-alive", "soon"])
+    assert exited.value.code == 2 and "--keep-alive" in capsys.readouterr().err

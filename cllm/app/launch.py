@@ -4,6 +4,7 @@ The command line (serve.py) and Ray's replicas (scaleout/ray_app.py) start serve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cllm.config import ServerConfig, apply_cpu_wait
 from cllm.errors import APIError
-from cllm.models import resolve_model
+from cllm.models import ModelSource, check_names, resolve_model
 
 
 def check_model_file(path: Path) -> None:
@@ -31,11 +32,36 @@ def check_model_file(path: Path) -> None:
         raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r})")
 
 
-def served_name(config: ServerConfig, model_path: Path) -> str:
-    """--served-model-name, else the alias given to --model, else the model file's name."""
+def served_name(argument: str, model_path: Path) -> str:
+    """The alias given to --model, else the model file's name."""
+    return argument if not Path(argument).suffix else model_path.name
+
+
+def model_sources(config: ServerConfig) -> list[ModelSource]:
+    """Every model of the configuration, resolved and checked: each --model (an alias, a path,
+    or NAME=either), then each GGUF file of --models-dir; a single --model may be renamed by
+    --served-model-name."""
+    arguments = list(config.models or (() if config.models_dir else (config.engine.model,)))
+    if config.models_dir:
+        folder = Path(config.models_dir).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"--models-dir {folder} is not a folder")
+        arguments += sorted(str(p) for p in folder.glob("*.gguf"))
+        if not arguments:
+            raise ValueError(f"--models-dir {folder} holds no .gguf file")
+    sources = []
+    for argument in arguments:
+        name, _, given = argument.rpartition("=") if "=" in argument else ("", "", argument)
+        path = resolve_model(given)
+        check_model_file(path)
+        sources.append(ModelSource(name or served_name(given, path), given, str(path)))
     if config.served_model_name:
-        return config.served_model_name
-    return config.engine.model if not Path(config.engine.model).suffix else model_path.name
+        if len(sources) > 1:
+            raise ValueError("--served-model-name names the only model; name each of several "
+                             "as --model NAME=PATH")
+        sources[0] = dataclasses.replace(sources[0], name=config.served_model_name)
+    check_names(sources, config.pinned)
+    return sources
 
 
 class _Server(uvicorn.Server):
@@ -135,21 +161,21 @@ def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
     return HeaderDeadlineProtocol
 
 
-def app_for(config: ServerConfig, model_path: Path | None = None, on_load_failure=None):
-    """The server's app for `config` (app.server.create_app), its model loading once it
-    starts; the model is resolved here unless given. Ray's replicas (scaleout/ray_app.py) build
-    theirs so."""
-    if model_path is None:
-        model_path = resolve_model(config.engine.model)
-        check_model_file(model_path)
+def app_for(config: ServerConfig, sources: list[ModelSource] | None = None,
+            on_load_failure=None):
+    """The server's app for `config` (app.server.create_app), its models loading once it
+    starts or on demand; they are resolved here unless given. Ray's replicas
+    (scaleout/ray_app.py) build theirs so."""
+    if sources is None:
+        sources = model_sources(config)
     # Loads llama.cpp: only once the arguments are known good and the CPU wait policy is set.
     from cllm.app.server import create_app
     from cllm.engine.engine import Engine
-    return create_app(config, lambda: Engine(config.engine, str(model_path)),
-                      model_name=served_name(config, model_path), on_load_failure=on_load_failure)
+    return create_app(config, sources, lambda path: Engine(config.engine, path),
+                      on_load_failure=on_load_failure)
 
 
-def serve(config: ServerConfig, model_path: Path) -> int:
+def serve(config: ServerConfig, sources: list[ModelSource]) -> int:
     mode = apply_cpu_wait(config.engine.cpu_wait, config.engine.n_threads)
     logging.getLogger("cllm.serve").info("CPU threads wait by: %s", mode)
     load_failures: list[BaseException] = []
@@ -158,7 +184,7 @@ def serve(config: ServerConfig, model_path: Path) -> int:
         load_failures.append(exc)
         server.should_exit = True
 
-    app = app_for(config, model_path, on_load_failure)
+    app = app_for(config, sources, on_load_failure)
     # uvicorn's own deadline is a backstop: at shutdown_grace the requests get their 503s.
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, access_log=False, log_config=None,

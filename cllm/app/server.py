@@ -6,9 +6,9 @@ access checks (access.py).
 up; launch.py runs the app under uvicorn."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import Callable
 
 from starlette.applications import Starlette
@@ -26,6 +26,7 @@ from cllm.http.common import AppState, error_response, guarded
 from cllm.http.formats import GenerateFormat
 from cllm.http.metrics import CONTENT_TYPE
 from cllm.http.responses import anthropic_error, ollama_error
+from cllm.models import ModelSource
 from cllm.protocols import (
     anthropic,
     embeddings,
@@ -34,18 +35,19 @@ from cllm.protocols import (
     ollama,
     openai,
     openai_responses,
+    router,
 )
 
 log = logging.getLogger(__name__)
 
 
 async def health(request: Request, state: AppState) -> Response:
-    state.require_engine()
+    state.check_health()
     return JSONResponse({"status": "ok"})
 
 
 async def metrics(request: Request, state: AppState) -> Response:
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(state.render_metrics(), media_type=CONTENT_TYPE)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -53,18 +55,21 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(APIError(exc.status_code, exc.detail, code=str(exc.status_code)))
 
 
-def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model_name: str,
+def create_app(config: ServerConfig, sources: list[ModelSource],
+               make_engine: Callable[[str], Engine],
                on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
-    """The app. The engine loads in a thread once the server is up (/health answers 503 until
-    then); if it fails, `on_load_failure` decides what happens (serve.py exits)."""
+    """The app, serving the models of `sources` (make_engine loads one's GGUF file). The only
+    model, or the pinned ones, load once the server is up (/health answers 503 until then); if
+    one fails, `on_load_failure` decides what happens (serve.py exits). Others load on their
+    first request."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        state = AppState(config, model_name)
+        state = AppState(config, sources, make_engine)
         app.state.cllm = state
-        threading.Thread(target=_load, args=(state, engine_factory, on_load_failure),
-                         name="cllm-load", daemon=True).start()
+        loading = asyncio.create_task(_load_at_start(state, on_load_failure))
         yield
+        loading.cancel()
         await state.stop()
 
     post = lambda path, fn, **kw: Route(path, guarded(fn, **kw), methods=["POST"])  # noqa: E731
@@ -76,6 +81,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
         post("/generate", generate.generate, error_body=GenerateFormat.error_body_of),
         post("/tokenize", llama_server.tokenize), post("/detokenize", llama_server.detokenize),
         get("/health", health), get("/metrics", metrics),
+        get("/models", router.models), post("/models/load", router.load),
+        post("/models/unload", router.unload),
         post("/completion", llama_server.completion), get("/props", llama_server.props),
         post("/v1/embeddings", embeddings.embeddings),
         post("/v1/responses", openai_responses.create_response),
@@ -93,12 +100,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Engine], model
     return app
 
 
-def _load(state: AppState, engine_factory, on_load_failure) -> None:
-    try:
-        state.load(engine_factory)
-        log.info("model %s loaded", state.model_name)
-    except BaseException as exc:
-        state.load_error = f"the model failed to load: {exc}"
-        log.error("%s", state.load_error)
-        if on_load_failure is not None:
-            on_load_failure(exc)
+async def _load_at_start(state: AppState, on_load_failure) -> None:
+    for model in state.models.at_start():
+        try:
+            await state.models.load(model, at_start=True)
+        except APIError as exc:
+            if on_load_failure is not None:
+                on_load_failure(exc.__cause__ or exc)
+            return

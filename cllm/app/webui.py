@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cllm.errors import APIError
-from cllm.http.common import AppState
+from cllm.http.common import AppState, request_model
 from cllm.http.metrics import user_shares
 
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
@@ -38,8 +38,8 @@ async def asset(request: Request, state: AppState) -> Response:
 async def status(request: Request, state: AppState) -> Response:
     """The engine's state now; `tokens_generated` counts since start, so a poller gets the
     rate from two readings; `users`: each user's requests running and waiting."""
-    engine = state.require_engine()
-    return JSONResponse({"model": state.model_name, "running": engine.num_running,
+    engine = await state.engine_for(request)
+    return JSONResponse({"model": request_model(request).name, "running": engine.num_running,
                          "waiting": engine.num_waiting, "kv_usage": engine.kv_usage,
                          "tokens_generated": engine.tokens_generated,
                          "users": user_shares(engine, state.metrics.named_users)})

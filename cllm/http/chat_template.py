@@ -147,8 +147,10 @@ class TemplateRenderer:
         """Whether a render still runs on one of the pool's threads."""
         return self._pool.busy
 
-    def close(self) -> None:
-        self._pool.close()
+    def close(self, wait: bool = False) -> None:
+        """Stop the renderer; with `wait`, return once its threads have ended (an unloaded
+        model's memory comes back only then)."""
+        self._pool.close(wait)
         with self._lock:
             for worker in self._workers:
                 worker.kill()

@@ -16,21 +16,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cllm.config import ApiKey, SamplingParams, ServerConfig
-from cllm.engine.embedder import Embeddings
 from cllm.engine.engine import Delta, Engine, EngineStoppedError, PromptTooLongError
 from cllm.engine.sequence import FINISH_ABORT
 from cllm.engine.structured import GrammarError
 from cllm.errors import APIError
 from cllm.http import schemas
-from cllm.http.chat_template import ChatTemplate, TemplateRenderer
 from cllm.http.formats import Format, GenerateFormat
 from cllm.http.generation import Generation, SequenceFailure, failure
-from cllm.http.metrics import Metrics
-from cllm.http.model_card import model_names, repo_id
+from cllm.http.metrics import Metrics, merge
 from cllm.http.pool import Overdue, PoolClosed, WorkPool
 from cllm.http.quotas import Quotas
-from cllm.http.responses import Token, anthropic_error, ollama_error, token_name
+from cllm.http.registry import ModelRegistry, ServedModel
+from cllm.http.responses import anthropic_error, ollama_error
 from cllm.http.schemas import Constraint
+from cllm.models import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -47,99 +46,75 @@ def shutting_down() -> APIError:
 
 
 class AppState:
-    """The engine (once loaded), the chat template's renderer and the metrics of one app."""
+    """The models (each with its engine once loaded), the metrics and the tokenizer threads of
+    one app."""
 
-    def __init__(self, config: ServerConfig, model_name: str) -> None:
+    def __init__(self, config: ServerConfig, sources: list[ModelSource],
+                 make_engine: Callable[[str], Engine]) -> None:
         self.config = config
-        self.model_name = model_name
-        self.model_root = model_name  # the repository id once the model is loaded, if known
-        self.model_names = frozenset({model_name})  # all it answers to (model_card.model_names)
         self.metrics = Metrics(frozenset(k.name for k in config.keys() if k.name))
+        self.models = ModelRegistry(config, sources, make_engine, self.metrics)
         self.quotas = Quotas()
-        self.engine: Engine | None = None
-        self.renderer: TemplateRenderer | None = None
-        self.embeddings: Embeddings | None = None
         self.tokenizer = WorkPool(TOKENIZER_THREADS, "cllm-tokenize")
-        self.load_error: str | None = None
         self.stopping = False
-
-    def load(self, engine_factory: Callable[[], Engine]) -> None:
-        engine = engine_factory()
-        model = engine.model
-        # A vocabulary without BOS or EOS reports -1 for it: no text.
-        piece = lambda t: (model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
-                           if t >= 0 else "")
-        try:
-            template = ChatTemplate(model.chat_template, bos_token=piece(model.bos_token),
-                                    eos_token=piece(model.eos_token))
-        except ValueError as exc:
-            log.warning("the model's chat template does not compile (%s); using ChatML", exc)
-            template = ChatTemplate(None, bos_token=piece(model.bos_token),
-                                    eos_token=piece(model.eos_token))
-        self.renderer = TemplateRenderer(template, timeout=self.config.template_timeout)
-        self.embeddings = Embeddings(engine)
-        self.metrics.watch(engine, self.embeddings)
-        self.model_root = repo_id(model.metadata, self.config.engine.model) or self.model_name
-        self.model_names = model_names(self.model_name, self.model_root, model.path)
-        self.engine = engine
 
     async def stop(self) -> None:
         """Refuse new requests and end the running ones, each with a stated 503 (reason
         'shutdown'); idempotent."""
         self.stopping = True
         self.tokenizer.close()
-        if self.renderer is not None:
-            self.renderer.close()
-        if self.embeddings is not None:
-            self.embeddings.close()
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.to_thread(self.models.close)
 
     @property
     def busy(self) -> bool:
         """Whether work that cannot be interrupted (tokenizing, rendering) still runs."""
-        return self.tokenizer.busy or (self.renderer is not None and self.renderer.busy)
+        return self.tokenizer.busy or any(m.renderer is not None and m.renderer.busy
+                                          for m in self.models.models.values())
 
-    def require_engine(self) -> Engine:
+    def check_health(self) -> None:
         if self.stopping:
             raise shutting_down()
-        if self.engine is None:
-            message = self.load_error or "the model is loading"
-            raise APIError(503, message, type="server_error", code="model_not_ready")
-        if self.engine.failure:
-            raise APIError(503, self.engine.failure, type="server_error", code="engine_failed")
-        return self.engine
+        for model in self.models.models.values():
+            model.check_health()
 
-    def engine_for(self, body: dict) -> Engine:
-        """The engine, for a request body that may name the model it wants (require_model)."""
-        engine = self.require_engine()
-        self.require_model(schemas.read_field(body, "model", "a string"))
-        return engine
+    async def model_for(self, request: Request, body: dict | None = None) -> ServedModel:
+        """The model a request's body names (the only or first one if none), loaded and held
+        until the request's handler returns (its sequences hold it until they end)."""
+        if self.stopping:
+            raise shutting_down()
+        held = request.scope.setdefault("state", {})
+        if MODEL_STATE not in held:
+            name = schemas.read_field(body, "model", "a string") if body is not None else None
+            held[MODEL_STATE] = await self.models.acquire(name)
+        return held[MODEL_STATE]
 
-    def require_model(self, name: str | None) -> None:
-        """A request may name the model by any of its names; another name is a 404
-        model_not_found, as OpenAI and vLLM answer it, rather than another model's reply under
-        that name. No name, or an empty one (as some clients send), means this model."""
-        if name and name not in self.model_names:
-            raise APIError(404, f"the model '{name}' does not exist", param="model",
-                           code="model_not_found")
+    async def engine_for(self, request: Request, body: dict | None = None) -> Engine:
+        """The engine of the model a request's body names (model_for)."""
+        return (await self.model_for(request, body)).require_engine()
 
-    def token(self, token: int) -> Token:
-        """A token as logprobs show it: the bytes it adds to the text, named by them; a control
-        token, which adds none, by its own name ("<|im_end|>"), so names stay distinct."""
-        model = self.engine.model
-        raw = model.token_to_piece(token)
-        if raw:
-            return Token(token_name(raw), raw)
-        return Token(model.token_to_piece(token, True).decode("utf-8", "replace"), None)
+    def release(self, request: Request) -> None:
+        """The request's handler returned: its hold on its model ends."""
+        model = request.scope.get("state", {}).pop(MODEL_STATE, None)
+        if model is not None:
+            self.models.release(model)
 
-    def sequence_ended(self, sampling: SamplingParams, key: ApiKey | None, delta: Delta) -> None:
+    def render_metrics(self) -> bytes:
+        """The exposition: with several models, each one's samples labelled `model`."""
+        if len(self.models.models) == 1:
+            return self.metrics.render()
+        return merge({"": self.metrics.render(),
+                      **{name: m.metrics.render() for name, m in self.models.models.items()}},
+                     label="model")
+
+    def sequence_ended(self, model: ServedModel, sampling: SamplingParams, key: ApiKey | None,
+                       delta: Delta) -> None:
         """Every sequence's final delta, whether or not its client is still reading. An abort is
         the client's doing (it left), not a failure of the server."""
+        self.models.release(model)
         self.quotas.ended(key, delta.prompt_tokens + delta.completion_tokens)
         error = failure(delta) if delta.finish_reason != FINISH_ABORT else None
-        self.metrics.record_sequence(sampling, delta)
-        self.metrics.record_outcome(delta.finish_reason, error.status if error else None)
+        model.metrics.record_sequence(sampling, delta)
+        model.metrics.record_outcome(delta.finish_reason, error.status if error else None)
         if self.config.log_requests:
             t = delta.timings or {}
             rate = delta.completion_tokens / t["total"] if t.get("total") else 0.0
@@ -208,14 +183,14 @@ async def chat_prompt(request: Request, engine: Engine, messages: list[dict],
                       tools: list[dict] | None = None) -> list[int]:
     """A conversation's prompt tokens, rendered by the model's chat template (with the tools
     offered to the model, if any). A render whose client leaves before its turn is dropped."""
-    state: AppState = request.app.state.cllm
+    renderer = request_model(request).renderer
     try:
-        text = await until_disconnect(request, state.renderer.render(messages, tools))
+        text = await until_disconnect(request, renderer.render(messages, tools))
     except PoolClosed:
         raise shutting_down() from None
     # Templates that write the BOS token themselves must not get a second one. The check is on
     # the BOS token's text ("<bos>"): its piece without special=True is empty.
-    bos = state.renderer.template.bos_token if engine.model.adds_bos else None
+    bos = renderer.template.bos_token if engine.model.adds_bos else None
     return await tokenize_text(request, engine, text,
                                add_special=not (bos and text.startswith(bos)))
 
@@ -265,8 +240,15 @@ def error_response(error: APIError, fmt_error_body=APIError.body) -> JSONRespons
     return JSONResponse(fmt_error_body(error), status_code=error.status, headers=error.headers)
 
 
-# Where the access check leaves the API key a request came with (a config.ApiKey).
+# Where the access check leaves the API key a request came with (a config.ApiKey), and where
+# AppState.model_for leaves the model (a registry.ServedModel) the request holds.
 KEY_STATE = "cllm_api_key"
+MODEL_STATE = "cllm_model"
+
+
+def request_model(request: Request) -> ServedModel:
+    """The model the request resolved (AppState.model_for) and holds."""
+    return request.scope["state"][MODEL_STATE]
 
 
 def for_caller(sampling: SamplingParams, key: ApiKey | None) -> SamplingParams:
@@ -292,7 +274,8 @@ async def respond_batch(request: Request, fmt: Format, prompts: list[list[int]],
     """Submit n sequences for each prompt and answer them together, streamed or whole: choice
     prompt index * n + i, as OpenAI answers a batch of prompts; all run in the engine at once."""
     state: AppState = request.app.state.cllm
-    engine = state.require_engine()
+    model = await state.model_for(request)
+    engine = model.require_engine()
     for prompt in prompts:
         _check_prompt(engine, prompt)
     key = request.scope.get("state", {}).get(KEY_STATE)
@@ -302,7 +285,7 @@ async def respond_batch(request: Request, fmt: Format, prompts: list[list[int]],
     streams = []
     # A whole response reads only the sum of the deltas: they may come as the engine makes them.
     interval = state.config.stream_interval if stream else None
-    on_end = functools.partial(state.sequence_ended, sampling, key)
+    on_end = functools.partial(state.sequence_ended, model, sampling, key)
     try:
         for prompt in prompts:
             for i in range(n):
@@ -310,6 +293,7 @@ async def respond_batch(request: Request, fmt: Format, prompts: list[list[int]],
                                              f"{fmt.request_id}-{len(streams)}", on_end=on_end,
                                              cache_prompt=cache_prompt,
                                              stream_interval=interval))
+                state.models.hold(model)  # until the sequence ends (sequence_ended)
     except BaseException as exc:  # nothing submitted may decode on with nobody reading it
         for s in streams:
             s.abort()
@@ -338,9 +322,9 @@ def _check_prompt(engine: Engine, prompt: list[int]) -> None:
 def new_format(cls, request: Request, prefix: str, sampling: SamplingParams,
                **options) -> Format:
     """A response format for one request; `options` go to the format's constructor."""
-    state: AppState = request.app.state.cllm
-    return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", state.model_name, int(time.time()),
-               state.token, sampling.logprobs is not None, **options)
+    model = request_model(request)
+    return cls(f"{prefix}-{uuid.uuid4().hex[:24]}", model.name, int(time.time()),
+               model.token, sampling.logprobs is not None, **options)
 
 
 async def constrained(engine: Engine, sampling: SamplingParams,
@@ -368,18 +352,26 @@ def guarded(handler, error_body=APIError.body):
             return await handler(request, state)
         except APIError as error:
             if not isinstance(error, SequenceFailure):  # those were counted as they ended
-                state.metrics.record_outcome(None, error.status)
+                metrics_of(request, state).record_outcome(None, error.status)
             return error_response(error, error_body)
         except ClientGone:
             return Response(status_code=499)
         except Exception:  # a real fault: say so, keep serving
             # Its details (paths, values) are for the log, not for the client.
             log.exception("internal error in %s", request.url.path)
-            state.metrics.record_outcome(None, 500)
+            metrics_of(request, state).record_outcome(None, 500)
             return error_response(APIError(500, "internal server error (see the server log)",
                                            type="server_error", code="internal_error"),
                                   error_body)
+        finally:
+            state.release(request)
     return route
+
+
+def metrics_of(request: Request, state: AppState) -> Metrics:
+    """The metrics of the model the request went to, else the server's."""
+    model = request.scope.get("state", {}).get(MODEL_STATE)
+    return state.metrics if model is None else model.metrics
 
 
 def error_shape(path: str):

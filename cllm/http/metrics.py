@@ -95,6 +95,10 @@ class Metrics:
                              buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.load_seconds = Gauge("cllm_model_load_seconds",
+                                  "Seconds the model's last load took", registry=r)
+        self.loads = Counter("cllm_model_loads", "Times the model was loaded", registry=r)
+        self._watched: list = []
 
     def watch(self, engine: Engine, embeddings: Embeddings) -> None:
         """Read the engine's live state on every scrape."""
@@ -104,8 +108,19 @@ class Metrics:
         self.kv_usage.set_function(lambda: engine.kv_usage)
         self.cached_cells.set_function(lambda: engine.cached_cells)
         self.preemptions.set_function(lambda: engine.scheduler.num_preemptions)
-        self.registry.register(_EngineSteps(engine.timer))
-        self.registry.register(_UsersWaiting(engine, self.named_users))
+        self._watched = [_EngineSteps(engine.timer), _UsersWaiting(engine, self.named_users),
+                         _KvTiers(engine)]
+        for collector in self._watched:
+            self.registry.register(collector)
+
+    def unwatch(self) -> None:
+        """Let go of an unloaded engine, so that its memory can be freed: its gauges read 0."""
+        for gauge in (self.embedding_requests, self.running, self.waiting, self.kv_usage,
+                      self.cached_cells, self.preemptions):
+            gauge.set_function(lambda: 0)
+        for collector in self._watched:
+            self.registry.unregister(collector)
+        self._watched = []
 
     def record_sequence(self, sampling: SamplingParams, final: Delta) -> None:
         """Account for one sequence from what it asked for and its last delta."""
@@ -244,16 +259,18 @@ class _KvTiers:
     return counts if len(counts) == len(_LABELLED) + len(ENGINE_STEP_COUNTERS) else None
 
 
-def merge(expositions: Mapping[str, bytes]) -> bytes:
-    """Several servers' expositions as one, each sample labelled with its server's name
-    (`replica="..."`): a family's samples stay together, as the text format requires, and
-    a query sums over replicas with `sum without (replica) (...)`."""
+def merge(expositions: Mapping[str, bytes], label: str = "replica") -> bytes:
+    """Several servers' (or models') expositions as one, each sample labelled with its
+    server's name (`replica="..."`, or `model="..."`): a family's samples stay together, as
+    the text format requires, and a query sums over replicas with
+    `sum without (replica) (...)`. An empty name adds no label."""
     families: dict[str, Metric] = {}
     for replica, text in expositions.items():
         for family in text_string_to_metric_families(text.decode()):
             merged = families.setdefault(family.name, Metric(family.name, family.documentation,
                                                              family.type, family.unit))
-            merged.samples += [s._replace(labels={"replica": replica, **s.labels})
+            added = {label: replica} if replica else {}
+            merged.samples += [s._replace(labels={**added, **s.labels})
                                for s in family.samples]
     registry = CollectorRegistry()
     registry.register(_Families(list(families.values())))

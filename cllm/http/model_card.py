@@ -47,10 +47,13 @@ def _org_name(value: str) -> str | None:
 
 def model_card(name: str, root: str, engine) -> dict:
     """One entry of /v1/models, in OpenAI's shape with vLLM's `root` and `max_model_len`, and
-    llama-server's `meta`."""
+    llama-server's `meta`; a model not loaded (engine None) has neither, unknown until it is."""
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "cllm", "root": root,
+            "parent": None}
+    if engine is None:
+        return card
     model = engine.model
-    return {"id": name, "object": "model", "created": 0, "owned_by": "cllm", "root": root,
-            "parent": None, "max_model_len": engine.max_seq_len,
+    return {**card, "max_model_len": engine.max_seq_len,
             "meta": {"n_ctx": engine.max_seq_len, "n_ctx_train": model.n_ctx_train,
                      "n_vocab": model.n_vocab, "n_params": model.n_params,
                      "size": model.size_bytes, "description": model.description}}

@@ -60,15 +60,15 @@ class WorkPool(ThreadPoolExecutor):
         with self._lock:
             return self._running > 0
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         """Answer every waiting call with PoolClosed and drop the queued ones; idempotent,
-        from any thread."""
+        from any thread; with `wait`, return once the threads have ended."""
         with self._lock:
             self._closed = True
             waiters, self._waiters = self._waiters, set()
-        self.shutdown(wait=False, cancel_futures=True)
         for waiter in waiters:
             waiter.get_loop().call_soon_threadsafe(_wake, waiter)
+        self.shutdown(wait=wait, cancel_futures=True)
 
     def _counted(self, fn, args):
         with self._lock:

@@ -156,7 +156,7 @@ class MessagesFormat(TypedEventsFormat):
 
 async def create_message(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = await chat_prompt(request, engine, req.messages)
@@ -169,6 +169,6 @@ async def count_tokens(request: Request, state: AppState) -> Response:
     """POST /v1/messages/count_tokens: {"input_tokens": N}, the tokens the conversation's
     prompt would take, as a message would read it."""
     body = await read_json(request, state.config)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     prompt = await chat_prompt(request, engine, read_conversation(body))
     return JSONResponse({"input_tokens": len(prompt)})

@@ -12,11 +12,18 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cllm.engine.embedder import Stopped
+from cllm.engine.embedder import Embeddings, Stopped
 from cllm.engine.sequence import FINISH_TIMEOUT
 from cllm.errors import APIError
 from cllm.http import schemas
-from cllm.http.common import AppState, read_json, shutting_down, tokenize_text, until_disconnect
+from cllm.http.common import (
+    AppState,
+    read_json,
+    request_model,
+    shutting_down,
+    tokenize_text,
+    until_disconnect,
+)
 from cllm.http.generation import ended
 
 MAX_INPUTS = 2048  # OpenAI's limits per request
@@ -59,16 +66,17 @@ async def embed(request: Request, state: AppState, inputs: list[list[int]]) -> l
     its turns wait behind other requests' decodes, and 300,000 tokens take minutes on a CPU."""
     stop = threading.Event()
     timeout = state.config.engine.request_timeout
+    embeddings = request_model(request).embeddings
     try:
         return await asyncio.wait_for(until_disconnect(
-            request, asyncio.to_thread(state.embeddings.embed, inputs, stop)), timeout)
+            request, asyncio.to_thread(embeddings.embed, inputs, stop)), timeout)
     except asyncio.TimeoutError:
         raise ended(FINISH_TIMEOUT, "the request did not finish within the request timeout "
                     f"({timeout:g} s)") from None
     except Stopped:
         raise shutting_down() from None
     finally:  # the worker goes on unless told: its client may have left, or time run out
-        state.embeddings.stop(stop)
+        embeddings.stop(stop)
 
 
 def _encode(vector: array, as_base64: bool) -> list[float] | str:
@@ -83,28 +91,28 @@ def _encode(vector: array, as_base64: bool) -> list[float] | str:
 async def embeddings(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
     req = parse_embeddings(body)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     inputs = [item if isinstance(item, list)
               else await tokenize_text(request, engine, item, add_special=True)
               for item in req.inputs]
-    n_tokens = check_inputs(state, engine, inputs)
+    n_tokens = check_inputs(request_model(request).embeddings, engine, inputs)
     vectors = await embed(request, state, inputs)
     return JSONResponse({
-        "object": "list", "model": state.model_name,
+        "object": "list", "model": request_model(request).name,
         "data": [{"object": "embedding", "index": i, "embedding": _encode(v, req.base64)}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
 
-def check_inputs(state: AppState, engine, inputs: list[list[int]]) -> int:
+def check_inputs(embeddings: Embeddings, engine, inputs: list[list[int]]) -> int:
     """The inputs' tokens summed; a 400 for an input that is empty, too long for the embedder
     or holds ids past the vocabulary, or for inputs over MAX_TOKENS together."""
     for i, tokens in enumerate(inputs):
         if not tokens:
             raise APIError(400, f"input[{i}] has no tokens", param="input")
-        if len(tokens) > state.embeddings.max_tokens:
+        if len(tokens) > embeddings.max_tokens:
             raise APIError(400, f"input[{i}] has {len(tokens)} tokens; at most "
-                           f"{state.embeddings.max_tokens} fit", param="input",
+                           f"{embeddings.max_tokens} fit", param="input",
                            code="context_length_exceeded")
         if max(tokens) >= engine.model.n_vocab:
             raise APIError(400, f"token ids must be below {engine.model.n_vocab}", param="input")

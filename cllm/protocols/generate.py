@@ -11,7 +11,7 @@ from cllm.http.formats import GenerateFormat
 
 async def generate(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.require_engine()
+    engine = await state.engine_for(request, body)
     req = schemas.parse_generate(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = await tokenize_text(request, engine, req.prompt, add_special=True)

@@ -22,6 +22,7 @@ from cllm.http.common import (
     new_format,
     read_json,
     respond,
+    request_model,
     tokenize_text,
     tokenizer_work,
 )
@@ -157,7 +158,7 @@ class NativeCompletionFormat(Format):
 
 async def completion(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     req = parse_completion(body, max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
     prompt = req.prompt if isinstance(req.prompt, list) else await tokenize_text(
@@ -172,7 +173,7 @@ async def infill(request: Request, state: AppState) -> Response:
     """/completion for code: the prompt is built from input_prefix, input_suffix, input_extra
     and prompt (http/fim.py), for a model whose vocabulary has fill-in-the-middle tokens."""
     body = await read_json(request, state.config)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     fim.require_fim(engine.model, "input_prefix")
     parts = fim.read_infill(body)
     prompt = await tokenizer_work(request, fim.infill_prompt, engine.model, parts)
@@ -188,13 +189,13 @@ async def infill(request: Request, state: AppState) -> Response:
 async def props(request: Request, state: AppState) -> Response:
     """What llama-server's web UI and clients read first: context size, slots, model, chat
     template and the default sampling settings of /completion."""
-    engine = state.require_engine()
-    template = state.renderer.template
+    engine = await state.engine_for(request)
+    template = request_model(request).renderer.template
     return JSONResponse({
         "default_generation_settings": {"n_ctx": engine.max_seq_len,
                                         "params": {**SAMPLING_DEFAULTS, "n_predict": -1}},
-        "total_slots": engine.config.n_parallel, "model_alias": state.model_name,
-        "model_path": engine.model.path, "model_root": state.model_root,
+        "total_slots": engine.config.n_parallel, "model_alias": request_model(request).name,
+        "model_path": engine.model.path, "model_root": request_model(request).root,
         "modalities": {"vision": False, "audio": False},
         "chat_template": template.source or "", "bos_token": template.bos_token,
         "eos_token": template.eos_token, "build_info": f"cllm {cllm_version()}",
@@ -211,7 +212,7 @@ def cllm_version() -> str:
 async def tokenize(request: Request, state: AppState) -> Response:
     content, add_special, with_pieces = schemas.parse_tokenize(await read_json(request,
                                                                           state.config))
-    engine = state.require_engine()
+    engine = await state.engine_for(request)
     tokens = await tokenize_text(request, engine, content, add_special=add_special)
     if with_pieces:
         tokens = [{"id": t, "piece": _piece(engine.model, t)} for t in tokens]
@@ -230,7 +231,7 @@ def _piece(model, token: int) -> str | list[int]:
 
 async def detokenize(request: Request, state: AppState) -> Response:
     tokens = schemas.parse_detokenize(await read_json(request, state.config))
-    engine = state.require_engine()
+    engine = await state.engine_for(request)
     # A million ids take a while: off the event loop, which serves the other requests meanwhile.
     text = await tokenizer_work(request, _detokenize, engine.model, tokens)
     return JSONResponse({"content": text})

@@ -38,6 +38,7 @@ from cllm.http.common import (
     constrained,
     new_format,
     read_json,
+    request_model,
     respond,
     tokenize_text,
     tokenizer_work,
@@ -265,17 +266,17 @@ class OllamaFormat(Format):
 
 # ---- routes ----
 
-async def _engine(state: AppState, body: dict) -> tuple[Engine, int]:
+async def _engine(request: Request, state: AppState, body: dict) -> tuple[Engine, int]:
     """The engine the body's model names and the nanoseconds spent getting it."""
     started = time.perf_counter_ns()
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     return engine, time.perf_counter_ns() - started
 
 
-def _loaded(state: AppState, chat: bool) -> JSONResponse:
+def _loaded(request: Request, chat: bool) -> JSONResponse:
     """What Ollama answers a request with nothing to generate: the model is loaded."""
     reply = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-    return JSONResponse({"model": state.model_name, "created_at": _now(), **reply,
+    return JSONResponse({"model": request_model(request).name, "created_at": _now(), **reply,
                          "done": True, "done_reason": "load"})
 
 
@@ -295,13 +296,13 @@ async def _generate(request: Request, state: AppState, engine: Engine, req: Olla
 async def chat(request: Request, state: AppState) -> Response:
     started = time.perf_counter_ns()
     body = await read_json(request, state.config)
-    engine, load_ns = await _engine(state, body)
+    engine, load_ns = await _engine(request, state, body)
     req = parse_request(body, engine.max_seq_len)
     if body.get("messages") == []:
-        return _loaded(state, chat=True)
+        return _loaded(request, chat=True)
     messages, spec = chat_messages(body)
     rendered, offered = tools.prompt_messages(messages, spec,
-                                              state.renderer.template.takes_tools)
+                                              request_model(request).renderer.template.takes_tools)
     prompt = await chat_prompt(request, engine, rendered, offered)
     fmt = new_format(OllamaFormat, request, "chat", req.sampling, chat=True,
                      tool_calls=spec is not None and spec.calls, started=started,
@@ -314,7 +315,7 @@ async def generate(request: Request, state: AppState) -> Response:
     it), or as it is with `raw`; with `suffix`, a fill-in-the-middle prompt."""
     started = time.perf_counter_ns()
     body = await read_json(request, state.config)
-    engine, load_ns = await _engine(state, body)
+    engine, load_ns = await _engine(request, state, body)
     req = parse_request(body, engine.max_seq_len)
     schemas.refuse_unimplemented(body, {"images": ([],), "context": ([],), "template": ("",)})
     text = schemas.read_field(body, "prompt", "a string", "")
@@ -322,7 +323,7 @@ async def generate(request: Request, state: AppState) -> Response:
     suffix = schemas.read_field(body, "suffix", "a string", "")
     raw = schemas.read_field(body, "raw", "a boolean", False)
     if not text and not suffix:
-        return _loaded(state, chat=False)
+        return _loaded(request, chat=False)
     if system and (raw or suffix):
         raise APIError(400, "system goes with a prompt the chat template renders, not with raw "
                        "or suffix", param="system")
@@ -345,15 +346,15 @@ async def _embed(request: Request, state: AppState, body: dict, texts: list[str]
     """The texts' vectors (cllm/protocols/embeddings.py), their tokens summed and the
     nanoseconds spent getting the model; with `truncate`, a text longer than the embedder
     takes is cut to what it takes."""
-    engine, load_ns = await _engine(state, body)
+    engine, load_ns = await _engine(request, state, body)
     if schemas.read_field(body, "options", "an object", {}):
         raise APIError(400, f"options.{next(iter(body['options']))} is not supported",
                        param="options")
     read_keep_alive(body)
     inputs = [await tokenize_text(request, engine, t, add_special=True) for t in texts]
     if truncate:
-        inputs = [tokens[:state.embeddings.max_tokens] for tokens in inputs]
-    n_tokens = embeddings.check_inputs(state, engine, inputs)
+        inputs = [tokens[:request_model(request).embeddings.max_tokens] for tokens in inputs]
+    n_tokens = embeddings.check_inputs(request_model(request).embeddings, engine, inputs)
     return await embeddings.embed(request, state, inputs), n_tokens, load_ns
 
 
@@ -371,7 +372,7 @@ async def embed(request: Request, state: AppState) -> Response:
                        f"{embeddings.MAX_INPUTS} non-empty texts", param="input")
     truncate = schemas.read_field(body, "truncate", "a boolean", True)
     vectors, n_tokens, load_ns = await _embed(request, state, body, texts, truncate)
-    return JSONResponse({"model": state.model_name,
+    return JSONResponse({"model": request_model(request).name,
                          "embeddings": [v.tolist() for v in vectors],
                          "total_duration": time.perf_counter_ns() - started,
                          "load_duration": load_ns, "prompt_eval_count": n_tokens})
@@ -394,12 +395,12 @@ def _digest(path: str, mtime: float, size: int) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-async def _entry(state: AppState, engine: Engine) -> dict:
+async def _entry(name: str, engine: Engine) -> dict:
     """The served model as /api/tags and /api/ps list it."""
     model = engine.model
     stat = os.stat(model.path)
     arch = model.metadata.get("general.architecture", "")
-    return {"name": state.model_name, "model": state.model_name,
+    return {"name": name, "model": name,
             "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat(),
             "size": stat.st_size,
             "digest": await asyncio.to_thread(_digest, model.path, stat.st_mtime, stat.st_size),
@@ -409,14 +410,15 @@ async def _entry(state: AppState, engine: Engine) -> dict:
 
 
 async def tags(request: Request, state: AppState) -> Response:
-    return JSONResponse({"models": [await _entry(state, state.require_engine())]})
+    model = await state.model_for(request)
+    return JSONResponse({"models": [await _entry(model.name, model.require_engine())]})
 
 
 async def ps(request: Request, state: AppState) -> Response:
     """The loaded model: it stays resident as long as the server runs, which Ollama shows as
     its expiry for keep_alive < 0; size_vram is what the GPU holds of its weights."""
-    engine = state.require_engine()
-    entry = await _entry(state, engine)
+    engine = await state.engine_for(request)
+    entry = await _entry(request_model(request).name, engine)
     entry.update({"expires_at": (datetime.now(timezone.utc) + _FOREVER).isoformat(),
                   "size_vram": engine.model.size_bytes if engine.weights_on_gpu else 0,
                   "context_length": engine.max_seq_len})
@@ -428,18 +430,17 @@ async def show(request: Request, state: AppState) -> Response:
     is the older field for `model`."""
     body = await read_json(request, state.config)
     schemas.refuse_unimplemented(body, {"verbose": (False,)})
-    engine = state.require_engine()
-    state.require_model(schemas.read_field(body, "model", "a string")
-                        or schemas.read_field(body, "name", "a string"))
+    engine = await state.engine_for(request, {"model": schemas.read_field(
+        body, "model", "a string") or schemas.read_field(body, "name", "a string")})
     model = engine.model
     fim_tokens = model.fim_tokens
     capabilities = ["completion", "tools"]
     if min(fim_tokens.prefix, fim_tokens.suffix, fim_tokens.middle) >= 0:
         capabilities.append("insert")
     info = {k: int(v) if v.isdigit() else v for k, v in model.metadata.items()}
-    entry = await _entry(state, engine)
+    entry = await _entry(request_model(request).name, engine)
     return JSONResponse({"modelfile": f"FROM {model.path}\n", "parameters": "",
-                         "template": state.renderer.template.source or "",
+                         "template": request_model(request).renderer.template.source or "",
                          "details": entry["details"], "modified_at": entry["modified_at"],
                          "model_info": {**info, "general.parameter_count": model.n_params},
                          "capabilities": capabilities})

@@ -13,6 +13,7 @@ from cllm.http.common import (
     constrained,
     new_format,
     read_json,
+    request_model,
     respond,
     respond_batch,
     tokenize_text,
@@ -24,7 +25,7 @@ from cllm.http.schemas import Constraint
 
 async def completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     req = schemas.parse_completion(body, max_n=state.config.max_n,
                                max_tokens_limit=engine.max_seq_len)
     sampling = await constrained(engine, req.sampling, req.constraint)
@@ -39,7 +40,7 @@ async def completions(request: Request, state: AppState) -> Response:
 
 async def chat_completions(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     req = schemas.parse_chat(body, max_n=state.config.max_n, max_tokens_limit=engine.max_seq_len)
     constraint = req.constraint
     calls = req.tools is not None and req.tools.calls
@@ -47,7 +48,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
         constraint = Constraint("lark", grammar, "tool_choice")  # the reply is forced calls
     sampling = await constrained(engine, req.sampling, constraint)
     messages, offered = tools.prompt_messages(req.messages, req.tools,
-                                              state.renderer.template.takes_tools)
+                                              request_model(request).renderer.template.takes_tools)
     prompt = await chat_prompt(request, engine, messages, offered)
     fmt = new_format(ChatFormat, request, "chatcmpl", sampling, tool_calls=calls,
                      functions=req.functions,
@@ -57,13 +58,13 @@ async def chat_completions(request: Request, state: AppState) -> Response:
 
 
 async def models(request: Request, state: AppState) -> Response:
-    engine = state.require_engine()
+    """Every model the server serves, loaded or not."""
     return JSONResponse({"object": "list",
-                         "data": [model_card(state.model_name, state.model_root, engine)]})
+                         "data": [model_card(m.name, m.root, m.engine)
+                                  for m in state.models.models.values()]})
 
 
 async def model(request: Request, state: AppState) -> Response:
     """One model by any of its names (the openai SDK's models.retrieve)."""
-    engine = state.require_engine()
-    state.require_model(request.path_params["model_id"])
-    return JSONResponse(model_card(state.model_name, state.model_root, engine))
+    found = state.models.find(request.path_params["model_id"])
+    return JSONResponse(model_card(found.name, found.root, found.engine))

@@ -179,7 +179,7 @@ class ResponsesFormat(TypedEventsFormat):
 
 async def create_response(request: Request, state: AppState) -> Response:
     body = await read_json(request, state.config)
-    engine = state.engine_for(body)
+    engine = await state.engine_for(request, body)
     req = parse_request(body, max_tokens_limit=engine.max_seq_len)
     prompt = await chat_prompt(request, engine, req.messages)
     fmt = new_format(ResponsesFormat, request, "resp", req.sampling, settings=req.sampling,

@@ -31,6 +31,7 @@ from cllm.config import ServerConfig
 from cllm.errors import APIError
 from cllm.http import metrics
 from cllm.http.common import error_response, error_shape, read_body
+from cllm.http.registry import FAILED, LOADED
 from cllm.http.responses import sse_event, typed_event
 from cllm.protocols.openai_responses import error_event
 from cllm.scaleout import routing
@@ -113,10 +114,11 @@ class Engine:
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()
         self.state = self.app.state.cllm
-        while self.state.engine is None and self.state.load_error is None:
+        model = self.state.models.default
+        while model.status not in (LOADED, FAILED):
             await asyncio.sleep(0.1)
-        if self.state.load_error:
-            raise RuntimeError(self.state.load_error)
+        if model.status == FAILED:
+            raise RuntimeError(model.reason)
         self.board = board
         self.reporter = asyncio.create_task(self._report())
 
@@ -128,12 +130,12 @@ class Engine:
             await self.lifespan.__aexit__(None, None, None)
 
     def check_health(self) -> None:
-        self.state.require_engine()  # APIError with the reason once the engine failed
+        self.state.check_health()  # APIError with the reason once the engine failed
 
     async def _report(self) -> None:
         while True:
             try:
-                await self.board.report.remote(self.name, self.state.metrics.render())
+                await self.board.report.remote(self.name, self.state.render_metrics())
             except Exception as exc:  # the board restarting: the next report will do
                 log.warning("metrics report failed: %s", exc)
             await asyncio.sleep(REPORT_PERIOD)

@@ -36,7 +36,8 @@ from cllm.config import ServerConfig
 from cllm.engine import steptimer
 from cllm.http.chat_template import ChatTemplate
 from cllm.http.common import AppState, guarded
-from cllm.http.metrics import step_timer_counts
+from cllm.http.metrics import Metrics, step_timer_counts
+from cllm.models import ModelSource
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -457,7 +458,7 @@ def test_internal_errors_do_not_leak_their_details(caplog):
         raise RuntimeError("secret detail in /home/someone/model.gguf")
 
     app = Starlette(routes=[Route("/faulty", guarded(faulty), methods=["GET"])])
-    app.state.cllm = AppState(ServerConfig(), MODEL)
+    app.state.cllm = AppState(ServerConfig(), [ModelSource(MODEL, MODEL, MODEL)], None)
     with TestClient(app) as test_client:
         r = test_client.get("/faulty")
     assert_error(r, 500, type_="server_error", code="internal_error")
@@ -1079,11 +1080,15 @@ def test_a_failed_engine_turns_every_route_and_health_to_503():
 
     from cllm.config import ServerConfig
     from cllm.errors import APIError
-    from cllm.http.common import AppState
+    from cllm.http.registry import ModelRegistry
 
-    state = AppState(ServerConfig(), MODEL)
-    state.engine = SimpleNamespace(failure="the engine failed: RuntimeError: injected")
+    models = ModelRegistry(ServerConfig(), [ModelSource(MODEL, MODEL, MODEL)], None, Metrics())
+    model = models.default
+    model.engine = SimpleNamespace(failure="the engine failed: RuntimeError: injected")
     with pytest.raises(APIError) as raised:
-        state.require_engine()  # what /health and every model route call first
+        model.require_engine()  # what every model route calls first
+    assert raised.value.status == 503 and raised.value.code == "engine_failed"
+    with pytest.raises(APIError) as raised:
+        model.check_health()  # and /health
     assert raised.value.status == 503 and raised.value.code == "engine_failed"
     assert "injected" in raised.value.message
