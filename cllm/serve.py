@@ -72,6 +72,14 @@ OPTIONS = {
                       "whether finished requests' prompts stay cached in one KV pool: auto (while "
                       "recent requests start from prompts no running request holds, as repeated "
                       "documents and chats do), keep or drop"),
+    "cache_ram": (int, _ENGINE.cache_ram,
+                  "MiB of host RAM for prefixes evicted from the KV cache, loaded back when a "
+                  "prompt starts with one (0: off; default: an eighth of the memory available at "
+                  "start, at most 8192)"),
+    "cache_dir": (str, _ENGINE.cache_dir,
+                  "folder for prefixes evicted from RAM, and for every cached prefix at a clean "
+                  "shutdown: a restarted server starts from them (default: none)"),
+    "cache_disk": (int, _ENGINE.cache_disk, "MiB of files in --cache-dir, oldest removed first"),
     "batch_size": (int, _ENGINE.n_batch, "tokens per step (decodes + prefill chunks)"),
     "ubatch_size": (int, _ENGINE.n_ubatch, "tokens per llama.cpp micro-batch"),
     "prefill_stagger": (int, _ENGINE.prefill_stagger,
@@ -93,10 +101,6 @@ OPTIONS = {
     "request_timeout": (float, _ENGINE.request_timeout, "seconds a request may take in all"),
     "max_queue": (int, _ENGINE.max_queue, "waiting requests before 429"),
     "decode_steps": (int, _ENGINE.decode_steps,
-    "cache_ram": (int, _ENGINE.cache_ram,
-                  "MiB of host RAM for prefixes evicted from the KV cache, loaded back when a "
-                  "prompt starts with one (0: off; default: an eighth of the memory available at "
-                  "start, at most 8192)"),
                      "decode steps per call into C while only decodes run (0: 8 on GPU, 1 on CPU)"),
     "successor_wait": (float, _ENGINE.successor_wait,
                        "after a step that ended requests, wait up to this share of a step's time "
@@ -147,7 +151,8 @@ GROUPS = {
                             "shutdown_grace", "template_timeout", "tokenize_timeout",
                             "log_level"),
     "KV cache and scheduling": ("parallel", "ctx_size", "kv_unified", "prefix_cache",
-                                "cache_replies", "cache_prompts", "cache_ram", "batch_size"),
+                                "cache_replies", "cache_prompts", "cache_ram", "cache_dir",
+                                "cache_disk", "batch_size"),
     "tuning": ("threads", "cpu_wait", "flash_attn", "backend_sampling", "ubatch_size",
                "prefill_stagger", "decode_steps", "successor_wait", "stream_interval"),
     "scale-out (Ray Serve)": ("replicas", "ray_address", "min_replicas", "max_replicas",
@@ -168,13 +173,13 @@ def parse_args(argv: list[str] | None = None) -> dict:
             if type_ is _flag:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_)
+            elif type_ is _several:
+                group.add_argument(flag, action="append", default=None, help=help_)
             else:
                 group.add_argument(flag, type=type_, default=None, help=help_)
     args = vars(parser.parse_args(argv))
     file_values = _read_config(args.pop("config"))
     unknown = set(file_values) - set(OPTIONS)
-            elif type_ is _several:
-                group.add_argument(flag, action="append", default=None, help=help_)
     if unknown:
         parser.error(f"unknown option(s) in the config file: {', '.join(sorted(unknown))}")
     return {name: _pick(name, args[name], file_values) for name in OPTIONS}
@@ -198,17 +203,18 @@ def _pick(name: str, flag, file_values: dict):
 
 
 def build_config(options: dict) -> ServerConfig:
+    models = _several(options["model"])
+    first = models[0].rpartition("=")[2] if models else _ENGINE.model
     engine = EngineConfig(
         model=first, n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],
         prefill_stagger=options["prefill_stagger"],
         n_threads=options["threads"],
-    models = _several(options["model"])
-    first = models[0].rpartition("=")[2] if models else _ENGINE.model
         cpu_wait=options["cpu_wait"],
         kv_unified=options["kv_unified"], backend_sampling=options["backend_sampling"],
         prefix_cache=options["prefix_cache"], cache_replies=options["cache_replies"],
         cache_prompts=options["cache_prompts"], cache_ram=options["cache_ram"],
+        cache_dir=options["cache_dir"], cache_disk=options["cache_disk"],
         n_gpu_layers=options["n_gpu_layers"],
         flash_attn=options["flash_attn"], max_queue=options["max_queue"],
         decode_steps=options["decode_steps"], successor_wait=options["successor_wait"],
@@ -217,15 +223,15 @@ def build_config(options: dict) -> ServerConfig:
     return ServerConfig(host=options["host"], port=options["port"], api_key=api_key,
                         api_keys=api_keys,
                         served_model_name=options["served_model_name"],
+                        models=models, models_dir=options["models_dir"],
+                        keep_alive=options["keep_alive"], models_max=options["models_max"],
+                        pinned=_several(options["pin"]),
                         max_body_bytes=options["max_body_bytes"],
                         shutdown_grace=options["shutdown_grace"],
                         template_timeout=options["template_timeout"],
                         tokenize_timeout=options["tokenize_timeout"],
                         client_timeout=options["client_timeout"],
                         max_connections=options["max_connections"],
-                        models=models, models_dir=options["models_dir"],
-                        keep_alive=options["keep_alive"], models_max=options["models_max"],
-                        pinned=_several(options["pin"]),
                         stream_interval=options["stream_interval"], engine=engine)
 
 
@@ -261,15 +267,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cllm: error: {exc}", file=sys.stderr)
         return 2
     if options["replicas"] or options["ray_address"] or options["max_replicas"]:
+        if len(sources) > 1:
+            print("cllm: error: a scale-out serves one model", file=sys.stderr)
+            return 2
         if options["ray_address"] is None:  # a joined cluster has the environment it started with
             from cllm.scaleout.environment import prepare_local_ray
             prepare_local_ray()  # before Ray is imported, which reads it
         try:
             from cllm.scaleout.cluster import (
                 serve_on_ray,  # Ray is an extra: imported when asked for
-        if len(sources) > 1:
-            print("cllm: error: a scale-out serves one model", file=sys.stderr)
-            return 2
             )
         except ModuleNotFoundError as exc:
             print(f"cllm: error: --replicas and --ray-address need Ray ({exc}): "

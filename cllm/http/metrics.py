@@ -206,21 +206,6 @@ class _UsersWaiting:
             yield family
 
 
-def step_timer_counts(exposition: str, replica: str | None = None) -> dict | None:
-    """A step timer snapshot from a /metrics text, summed over replicas where a scale-out
-    front merged several, or only `replica`'s (its `replica` label); None if it has none:
-    another server, or no such replica."""
-    counts: dict = {key: {} for key in _LABELLED}
-    labelled = {name + "_total": (key, label) for key, (name, label) in _LABELLED.items()}
-    names = {name + "_total": key for key, (name, _) in ENGINE_STEP_COUNTERS.items()}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            if replica is not None and sample.labels.get("replica") != replica:
-                continue
-            if sample.name in labelled:
-                key, label = labelled[sample.name]
-                name = sample.labels[label]
-                counts[key][name] = counts[key].get(name, 0.0) + sample.value
 class _KvTiers:
     """The prefix cache by tier, read when scraped: cells in the KV pool ("pool") and in host
     RAM ("ram", docs/design/kv-tiers.md), and the RAM tier's bytes, budget and traffic."""
@@ -253,6 +238,21 @@ class _KvTiers:
             yield family(f"cllm_kv_tier_{name}", help_, value=value)
 
 
+def step_timer_counts(exposition: str, replica: str | None = None) -> dict | None:
+    """A step timer snapshot from a /metrics text, summed over replicas where a scale-out
+    front merged several, or only `replica`'s (its `replica` label); None if it has none:
+    another server, or no such replica."""
+    counts: dict = {key: {} for key in _LABELLED}
+    labelled = {name + "_total": (key, label) for key, (name, label) in _LABELLED.items()}
+    names = {name + "_total": key for key, (name, _) in ENGINE_STEP_COUNTERS.items()}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if replica is not None and sample.labels.get("replica") != replica:
+                continue
+            if sample.name in labelled:
+                key, label = labelled[sample.name]
+                name = sample.labels[label]
+                counts[key][name] = counts[key].get(name, 0.0) + sample.value
             elif sample.name in names:
                 key = names[sample.name]
                 counts[key] = counts.get(key, 0) + int(sample.value)
