@@ -21,9 +21,9 @@ from cllm.http.common import (
     constrained,
     new_format,
     read_json,
-    respond,
     request_model,
     tokenize_text,
+    respond,
     tokenizer_work,
 )
 from cllm.http.formats import Choice, Format, matched_stop
