@@ -22,8 +22,8 @@ from cllm.http.common import (
     new_format,
     read_json,
     request_model,
-    tokenize_text,
     respond,
+    tokenize_text,
     tokenizer_work,
 )
 from cllm.http.formats import Choice, Format, matched_stop
