@@ -21,8 +21,10 @@ from typing import NamedTuple
 from cllm.config import EngineConfig, SamplingParams
 from cllm.engine import structured
 from cllm.engine.batch import RunRows, StepRows
-from cllm.engine.kv_tiers import HostTier, default_cache_ram_mib
+from cllm.engine.kv_disk import DiskTier, file_fingerprint
+from cllm.engine.kv_tiers import HostEntry, HostTier, default_cache_ram_mib
 from cllm.engine.pending import PendingTokens
+from cllm.engine.prefix_cache import pack
 from cllm.engine.scheduler import SAMPLED_NOTHING, QueueFullError, Scheduler, SchedulerOutput
 from cllm.engine.sequence import (
     FINISH_ABORT,
@@ -185,6 +187,9 @@ class Engine:
         self.max_seq_len = min(self.ctx.n_ctx_seq, self.model.n_ctx_train)
         cache_ram = default_cache_ram_mib() if config.cache_ram is None else config.cache_ram
         self.host_tier = HostTier(cache_ram * 2**20)  # evicted prefixes (kv_tiers.py)
+        if config.cache_dir:
+            self.host_tier.attach_disk(DiskTier(config.cache_dir, config.cache_disk * 2**20,
+                                                self._cache_identity(model_path)))
         self.scheduler = Scheduler(max_seqs=config.n_parallel, token_budget=self.ctx.n_batch,
                                    kv_capacity=self.ctx.n_ctx, max_seq_len=self.max_seq_len,
                                    max_queue=config.max_queue,
@@ -271,6 +276,23 @@ class Engine:
         self._stopping = True
         self._wake.set()
         self._thread.join()
+        if self.host_tier.disk is not None and not self.failure:
+            self.host_tier.persist(self._pool_prefixes())
+
+    def _cache_identity(self, model_path: str) -> dict:
+        """What the disk tier's files are bound to: a file another model, KV layout or build of
+        the core (llama.cpp's state format) wrote is never loaded."""
+        return {"model": file_fingerprint(model_path), "core": file_fingerprint(_core.__file__),
+                "kv_type": "f16", "kv_unified": self.kv_unified,
+                "cells_per_sequence": self.ctx.n_ctx_seq}
+
+    def _pool_prefixes(self):
+        """The idle slots' prefixes as host-tier entries, each copied as it is asked for."""
+        for slot in self.scheduler.cache.idle_slots():
+            if slot.cached >= HostTier.MIN_TOKENS:
+                tokens = slot.tokens[:slot.cached]
+                yield HostEntry(tokens, pack(tokens), min(slot.prompt_length, slot.cached),
+                                data=self.ctx.save_sequence(slot.id))
 
     @property
     def num_running(self) -> int:

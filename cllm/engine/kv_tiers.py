@@ -8,6 +8,7 @@ Pure Python: the prefix cache decides what to save and what to load (as `KvOp`s 
 entry), the engine copies the bytes and reports them here."""
 from __future__ import annotations
 
+import itertools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,11 +19,16 @@ from cllm.engine.prefix_cache import common_packed_prefix, pack
 @dataclass(slots=True, eq=False)
 class HostEntry:
     """One evicted prefix: its tokens (positions 0..), how many of them were a prompt, and once
-    the engine has copied it, the sequence state."""
+    the engine has copied it, the sequence state; for one in a file of the disk tier, where its
+    state lies in the file and the state's checksum."""
     tokens: list[int]
     packed: bytes
     prompt_length: int
     data: object = None  # a buffer (Context.save_sequence: a memory map of its own)
+    path: str | None = None
+    offset: int = 0
+    size: int = 0
+    sha: str = ""
 
 
 class HostTier:
@@ -44,6 +50,17 @@ class HostTier:
         self.restores = 0  # entries loaded into a slot
         self.restore_seconds = 0.0
         self.restored_tokens = 0
+        self.disk = None  # a kv_disk.DiskTier, where dropped entries go
+        self._on_disk: list[HostEntry] = []  # its entries, state not read yet
+
+    def attach_disk(self, disk) -> None:
+        """Write what the tier drops to `disk`, and match prompts against its files too."""
+        self.disk = disk
+        self._on_disk = disk.scan()
+
+    @property
+    def disk_entries(self) -> int:
+        return len(self._on_disk)
 
     @property
     def enabled(self) -> bool:
@@ -55,7 +72,7 @@ class HostTier:
     def reserve(self, tokens: list[int], prompt_length: int) -> HostEntry | None:
         """An entry for a prefix about to be evicted, for the engine to fill (`store`); None
         when the tier is off, the prefix is short or an entry holds it already."""
-        if not self.enabled or len(tokens) < self.MIN_TOKENS:
+        if not (self.enabled or self.disk) or len(tokens) < self.MIN_TOKENS:
             return None
         packed = pack(tokens)
         for key, entry in self._entries.items():
@@ -79,33 +96,58 @@ class HostTier:
         self.bytes += len(data)
         self.cells += len(entry.tokens)
         while self.bytes > self.capacity:
-            self._drop(next(iter(self._entries)))
+            self._drop(next(iter(self._entries)), to_disk=True)
 
     def match(self, packed_tokens: bytes) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with a prompt, and how many tokens it shares."""
         best, best_len = None, 0
-        for entry in self._entries.values():
+        for entry in (*self._entries.values(), *self._on_disk):
             n = common_packed_prefix(entry.packed, packed_tokens)
             if n > best_len:
                 best, best_len = entry, n
         return best, best_len
 
-    def hit(self, entry: HostEntry) -> None:
-        """A prompt will start from `entry`: it is the most recently used."""
+    def hit(self, entry: HostEntry) -> bool:
+        """A prompt will start from `entry`: it is the most recently used; one on disk is read
+        into RAM first. False when its file is damaged or gone (then it is forgotten)."""
+        if entry in self._on_disk:
+            self._on_disk.remove(entry)
+            if not self.disk.load(entry):
+                return False
+            self._entries[id(entry)] = entry
+            self.store(entry, entry.data, 0.0)
+            self.saves -= 1  # read back, not saved
         self.hits += 1
         if id(entry) in self._entries:
             self._entries.move_to_end(id(entry))
+        return True
+
+    def persist(self, entries) -> None:
+        """A clean shutdown: write `entries` (the pool's prefixes) and every entry in RAM to
+        the disk tier, oldest first, so that the newest survive its budget."""
+        for entry in itertools.chain(list(self._entries.values()), entries):
+            if entry.data is not None:
+                self._to_disk(entry)
 
     def restored(self, tokens: int, seconds: float) -> None:
         self.restores += 1
         self.restored_tokens += tokens
         self.restore_seconds += seconds
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int, to_disk: bool = False) -> None:
         entry = self._entries.pop(key)
         if entry.data is not None:
             self.bytes -= len(entry.data)
             self.cells -= len(entry.tokens)
+            if to_disk:
+                self._to_disk(entry)
+
+    def _to_disk(self, entry: HostEntry) -> None:
+        if self.disk is None:
+            return
+        written = self.disk.write(entry)
+        if written is not None:
+            self._on_disk = [e for e in self._on_disk if e.path != written.path] + [written]
 
 
 def default_cache_ram_mib() -> int:

@@ -262,9 +262,8 @@ class PrefixCache:
         if entry is None:
             return None
         n = self._reusable(min(common, limit), entry.prompt_length, len(tokens))
-        if n - in_slots < self.host.MIN_TOKENS:
+        if n - in_slots < self.host.MIN_TOKENS or not self.host.hit(entry):
             return None
-        self.host.hit(entry)
         return Placement(None, None, n, restore=entry)
 
     def _takes_over(self, match: Placement, tokens: list[int], packed_tokens: bytes) -> bool:
