@@ -70,6 +70,15 @@ class ModelSource:
     path: str
 
 
+def named_model(argument: str) -> tuple[str, str]:
+    """A --model argument as its name (empty if it gives none) and the alias or path:
+    NAME=PATH, NAME=ALIAS, or either alone (a path whose folders hold "=" stays a path)."""
+    name, sep, given = argument.partition("=")
+    if not sep or "/" in name:
+        return "", argument
+    return name, given
+
+
 def check_names(sources: list[ModelSource], pinned: tuple[str, ...]) -> None:
     """Each model's name is its own, and each pinned name is a served model's."""
     names = [s.name for s in sources]

@@ -17,6 +17,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
 
 from cllm.app.launch import model_sources, serve
 from cllm.config import ApiKey, EngineConfig, ServerConfig, parse_api_keys, parse_duration
+from cllm.models import named_model
 
 
 def _flag(value) -> bool:
@@ -204,7 +205,7 @@ def _pick(name: str, flag, file_values: dict):
 
 def build_config(options: dict) -> ServerConfig:
     models = _several(options["model"])
-    first = models[0].rpartition("=")[2] if models else _ENGINE.model
+    first = named_model(models[0])[1] if models else _ENGINE.model
     engine = EngineConfig(
         model=first, n_ctx=options["ctx_size"], n_parallel=options["parallel"],
         n_batch=options["batch_size"], n_ubatch=options["ubatch_size"],

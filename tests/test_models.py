@@ -230,3 +230,22 @@ def test_a_second_process_waits_for_the_lock_then_uses_the_finished_file(
     assert waiter.returncode == 0, err
     assert out.strip() == str(models_dir / spec.filename)
     assert "fetching" not in err
+
+
+@pytest.mark.parametrize("argument, named", [
+    ("gemma3-270m", ("", "gemma3-270m")),
+    ("chat=smollm2-135m-instruct", ("chat", "smollm2-135m-instruct")),
+    ("chat=/models/a.gguf", ("chat", "/models/a.gguf")),
+    ("/models/q=4/a.gguf", ("", "/models/q=4/a.gguf")),  # a path, "=" in a folder's name
+])
+def test_a_model_argument_may_name_the_model(argument, named):
+    assert models.named_model(argument) == named
+
+
+def test_names_are_distinct_and_pins_name_served_models():
+    sources = [models.ModelSource("a", "x", "/a.gguf"), models.ModelSource("b", "y", "/b.gguf")]
+    models.check_names(sources, ("b",))
+    with pytest.raises(ValueError, match="share a name"):
+        models.check_names([sources[0], sources[0]], ())
+    with pytest.raises(ValueError, match="--pin names no served model: c"):
+        models.check_names(sources, ("c",))

@@ -17,7 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cllm.config import ServerConfig, apply_cpu_wait
 from cllm.errors import APIError
-from cllm.models import ModelSource, check_names, resolve_model
+from cllm.models import ModelSource, check_names, named_model, resolve_model
 
 
 def check_model_file(path: Path) -> None:
@@ -51,7 +51,7 @@ def model_sources(config: ServerConfig) -> list[ModelSource]:
             raise ValueError(f"--models-dir {folder} holds no .gguf file")
     sources = []
     for argument in arguments:
-        name, _, given = argument.rpartition("=") if "=" in argument else ("", "", argument)
+        name, given = named_model(argument)
         path = resolve_model(given)
         check_model_file(path)
         sources.append(ModelSource(name or served_name(given, path), given, str(path)))
