@@ -15,6 +15,7 @@ import json
 import logging
 import mmap
 import os
+import time
 from array import array
 from pathlib import Path
 
@@ -56,6 +57,7 @@ class DiskTier:
         self.identity = identity
         self.written = 0
         self.read = 0
+        self.read_seconds = 0.0  # reading files back and checking them, on the engine thread
         self.removed = 0  # files refused: foreign, truncated or corrupt
 
     def scan(self) -> list[HostEntry]:
@@ -73,6 +75,7 @@ class DiskTier:
     def load(self, entry: HostEntry) -> bool:
         """Read `entry`'s state into memory, checked against its checksum; False (and the file
         removed) when it is damaged or gone."""
+        started = time.perf_counter()
         try:
             with open(entry.path, "rb") as f:
                 f.seek(entry.offset)
@@ -84,6 +87,7 @@ class DiskTier:
             return False
         entry.data = data
         self.read += 1
+        self.read_seconds += time.perf_counter() - started
         return True
 
     def write(self, entry: HostEntry) -> HostEntry | None:

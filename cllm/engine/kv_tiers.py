@@ -63,6 +63,11 @@ class HostTier:
         return len(self._on_disk)
 
     @property
+    def disk_cells(self) -> int:
+        """KV cells the disk tier's files hold (those not read back into RAM)."""
+        return sum(len(e.tokens) for e in self._on_disk)
+
+    @property
     def enabled(self) -> bool:
         return self.capacity > 0
 

@@ -207,8 +207,9 @@ class _UsersWaiting:
 
 
 class _KvTiers:
-    """The prefix cache by tier, read when scraped: cells in the KV pool ("pool") and in host
-    RAM ("ram", docs/design/kv-tiers.md), and the RAM tier's bytes, budget and traffic."""
+    """The prefix cache by tier, read when scraped: cells in the KV pool ("pool"), in host RAM
+    ("ram") and in files ("disk", docs/design/kv-tiers.md), the RAM tier's bytes, budget and
+    traffic, and the disk tier's files."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -220,6 +221,7 @@ class _KvTiers:
                                   labels=["tier"])
         cells.add_metric(["pool"], self.engine.cached_cells)
         cells.add_metric(["ram"], host.cells)
+        cells.add_metric(["disk"], host.disk_cells)
         yield cells
         yield GaugeMetricFamily("cllm_kv_tier_ram_bytes", "Bytes of KV copies in host RAM",
                                 value=host.bytes)
@@ -236,6 +238,21 @@ class _KvTiers:
                  host.restore_seconds)):
             family = GaugeMetricFamily if name == "ram_entries" else CounterMetricFamily
             yield family(f"cllm_kv_tier_{name}", help_, value=value)
+        if host.disk is not None:
+            yield from _disk_families(host)
+
+
+def _disk_families(host):
+    disk = host.disk
+    yield GaugeMetricFamily("cllm_kv_tier_disk_entries", "Prefixes held in --cache-dir's files",
+                            value=host.disk_entries)
+    for name, help_, value in (("written", "Files written", disk.written),
+                               ("read", "Files read back into RAM", disk.read),
+                               ("read_seconds", "Engine-thread seconds reading and checking them",
+                                disk.read_seconds),
+                               ("removed", "Files removed as foreign, truncated or corrupt",
+                                disk.removed)):
+        yield CounterMetricFamily(f"cllm_kv_tier_disk_{name}", help_, value=value)
 
 
 def step_timer_counts(exposition: str, replica: str | None = None) -> dict | None:

@@ -82,6 +82,15 @@ def test_labels_stay_few_whatever_clients_send():
         "-9", "-9", "0", "4", "9", "9"]
 
 
+def tier_samples(engine):
+    """The engine's _KvTiers families as scraped: (name, tier label) → value."""
+    metrics = Metrics()
+    metrics.registry.register(_KvTiers(engine))
+    return {(s.name, s.labels.get("tier")): s.value
+            for family in text_string_to_metric_families(metrics.render().decode())
+            for s in family.samples}
+
+
 def test_the_kv_tiers_read_back_by_tier(model_path):
     engine = Engine(EngineConfig(n_ctx=2048, n_parallel=1, n_threads=2, kv_unified=False,
                                  cache_ram=64), model_path)
@@ -90,11 +99,7 @@ def test_the_kv_tiers_read_back_by_tier(model_path):
         for name in ("Ann", "Bob"):  # one stream: the second evicts the first to RAM
             tokens = engine.model.tokenize(name + story, add_special=False)
             asyncio.run(run_tokens(engine, tokens, max_tokens=2, temperature=0))
-        metrics = Metrics()
-        metrics.registry.register(_KvTiers(engine))
-        samples = {(s.name, s.labels.get("tier")): s.value
-                   for family in text_string_to_metric_families(metrics.render().decode())
-                   for s in family.samples}
+        samples = tier_samples(engine)
     finally:
         engine.shutdown()
     host = engine.host_tier
@@ -104,3 +109,23 @@ def test_the_kv_tiers_read_back_by_tier(model_path):
     assert samples[("cllm_kv_tier_ram_capacity_bytes", None)] == 64 * 2**20
     assert samples[("cllm_kv_tier_ram_saves_total", None)] == host.saves == 1
     assert samples[("cllm_kv_tier_ram_restores_total", None)] == 0
+    assert samples[("cllm_kv_tier_cells", "disk")] == 0
+    assert ("cllm_kv_tier_disk_entries", None) not in samples  # no --cache-dir
+
+
+def test_the_disk_tier_reads_back_its_files(model_path, tmp_path):
+    engine = Engine(EngineConfig(n_ctx=2048, n_parallel=1, n_threads=2, kv_unified=False,
+                                 cache_ram=0, cache_dir=str(tmp_path)), model_path)
+    try:
+        story = " a clockmaker repaired every clock in the valley except his own." * 8
+        for name in ("Ann", "Bob"):  # no RAM: the first goes to a file
+            tokens = engine.model.tokenize(name + story, add_special=False)
+            asyncio.run(run_tokens(engine, tokens, max_tokens=2, temperature=0))
+        samples = tier_samples(engine)
+        disk_cells = engine.host_tier.disk_cells  # before the shutdown writes the pool's
+    finally:
+        engine.shutdown()
+    assert samples[("cllm_kv_tier_disk_entries", None)] == 1
+    assert samples[("cllm_kv_tier_cells", "disk")] == disk_cells > 0
+    assert samples[("cllm_kv_tier_disk_written_total", None)] == 1
+    assert samples[("cllm_kv_tier_disk_removed_total", None)] == 0
