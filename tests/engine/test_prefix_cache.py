@@ -1,9 +1,11 @@
-"""The prefix cache alone: matching, placement, cell counts of shared and copied prefixes."""
+"""The prefix cache alone: matching, placement, cell counts of shared and copied prefixes, what
+goes to and comes from the host tier."""
 import random
 from dataclasses import replace
 
 import pytest
 
+from cllm.engine.kv_tiers import HostTier
 from cllm.engine.prefix_cache import (
     KvOp,
     Placement,
@@ -444,3 +446,33 @@ def test_auto_with_a_minimum_of_admissions_keeps_until_it_has_seen_them(admissio
     for admission in admissions:
         retention.admitted(admission == "c")
     assert retention.keeps is keeps
+
+
+def test_with_a_host_tier_an_evicted_prefix_is_saved_first_and_loaded_back_for_a_longer_match():
+    host = HostTier(2**30)
+    cache = PrefixCache(1, shared_cells=False, host=host)
+    history = list(range(1, 101))
+    run_sequence(cache, history)
+    placement = cache.place(list(range(500, 600)), 99, no_live)  # takes the only slot
+    ops = cache.start(placement)
+    assert [op.kind for op in ops] == ["save", "clear"]
+    assert ops[0].entry.tokens == history and len(host) == 1
+    host.store(ops[0].entry, b"state", 0.0)  # as the engine does
+    cache.extend(placement.dst, 0, 100)
+    cache.finish(placement.dst, list(range(500, 600)))
+    follow_up = history + [7, 8, 9]
+    placement = cache.place(follow_up, len(follow_up) - 1, no_live)
+    assert placement.restore is ops[0].entry and placement.length == 100
+    ops = cache.start(placement)
+    assert [op.kind for op in ops] == ["save", "load"] and ops[1].length == 100
+    assert placement.dst.cached == 100 and cache.cells_used == 100 and host.hits == 1
+
+
+def test_a_short_gain_over_the_slots_is_computed_not_loaded():
+    host = HostTier(2**30)
+    cache = PrefixCache(2, shared_cells=False, host=host)
+    entry = host.reserve(list(range(1, 101)), 100)
+    host.store(entry, b"state", 0.0)
+    run_sequence(cache, list(range(1, 81)))  # a slot holds 80 of the entry's 100 tokens
+    placement = cache.place(list(range(1, 101)) + [5], 100, no_live)
+    assert placement.restore is None and placement.length == 80
