@@ -81,7 +81,9 @@ class StepTokens(NamedTuple):
     splits them on the stream's event loop, off the engine thread)."""
     token_ids: list[int]
     texts: list[str]  # each token's text, after the stop-string hold-back
-    logprobs: list[TokenLogprob] | None
+    # Each token's logprobs: of the tokens its text reached (TextStream.take_reached), so a
+    # stop string's tokens have none and held-back text keeps its tokens' logprobs with it.
+    logprobs: list[list[TokenLogprob]] | None
     # At the end: reason, usage and timings; its text is the text held back till the end.
     final: Delta | None = None
 
@@ -143,7 +145,7 @@ class RequestStream:
                 self._queue.put_nowait(Delta(*group))
             return
         pending.add(step.token_ids, step.texts, step.logprobs)
-        *groups, last = pending.rest(step.final.text)
+        *groups, last = pending.rest(step.final.text, step.final.logprobs)
         for group in groups:
             self._queue.put_nowait(Delta(*group))
         final = step.final
@@ -373,8 +375,9 @@ class Engine:
                                              error=str(exc))))
             return
         grammar = seq.sampling.grammar
-        self._live[seq] = _Live(stream, TextStream(seq.sampling.stop),
-                                logprobs=[] if seq.sampling.logprobs is not None else None,
+        logprobs = seq.sampling.logprobs is not None
+        self._live[seq] = _Live(stream, TextStream(seq.sampling.stop, count_tokens=logprobs),
+                                logprobs=[] if logprobs else None,
                                 matcher=grammar.matcher() if grammar is not None else None)
 
     def _step(self) -> None:
@@ -683,12 +686,13 @@ class Engine:
             seq = out.chunks[i].seq
             live = self._live[seq]
             new_tokens = seq.output_token_ids[-kept:]
-            texts = self._texts_of(live.text, new_tokens)
+            texts, reached = self._texts_of(live.text, new_tokens, live.logprobs is not None)
             if len(texts) < len(new_tokens):  # a stop string ended it inside a decode run
                 self.scheduler.drop_last_tokens(seq, len(new_tokens) - len(texts))
                 new_tokens = new_tokens[:len(texts)]
             self.tokens_generated += len(new_tokens)
-            step = StepTokens(new_tokens, texts, live.take_logprobs())
+            step = StepTokens(new_tokens, texts,
+                              reached and [live.take_logprobs(n) for n in reached])
             if live.text.stopped and not self.scheduler.finish(seq, FINISH_STOP, now):
                 # a decode run went past the stop string to max_tokens or an end token, which
                 # ended it first: it ended at the stop string
@@ -705,15 +709,19 @@ class Engine:
             if chunk.seq.is_finished and chunk.seq in self._live:
                 self._send_final(chunk.seq, outbox)
 
-    def _texts_of(self, text: TextStream, tokens: list[int]) -> list[str]:
+    def _texts_of(self, text: TextStream, tokens: list[int],
+                  count_reached: bool) -> tuple[list[str], list[int] | None]:
         """The text each of `tokens` adds, up to the one that completes a stop string, if one
-        does: the tokens after it do not count."""
-        texts = []
+        does: the tokens after it do not count. And if `count_reached`, how many tokens' text
+        each token's text reached."""
+        texts, reached = [], [] if count_reached else None
         for token in tokens:
             texts.append(text.feed(self.model.token_to_piece(token)))
+            if count_reached:
+                reached.append(text.take_reached())
             if text.stopped:
                 break
-        return texts
+        return texts, reached
 
     def _end(self, seq: Sequence, reason: str, error: str | None, outbox: _Outbox) -> None:
         self.scheduler.finish(seq, reason, time.monotonic(), error)
@@ -725,6 +733,8 @@ class Engine:
         final = Delta(live.text.flush(), [], finish_reason=seq.finish_reason, error=seq.error,
                       prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
                       completion_tokens=seq.num_output_tokens, timings=seq.timings())
+        if live.logprobs is not None:  # those of the text held back till now; at a stop, none
+            final.logprobs = live.take_logprobs(live.text.take_reached())
         outbox.add(live.stream, _ending(final) if step is None else step._replace(final=final))
 
     def _fail_all(self, error: str) -> None:
@@ -801,17 +811,18 @@ class _Live:
     """Engine-thread state of one admitted request."""
     stream: RequestStream
     text: TextStream
-    logprobs: list[TokenLogprob] | None  # this step's, when the request asked for them
+    # When the request asked for them: those of the tokens whose text was not emitted yet.
+    logprobs: list[TokenLogprob] | None
     sampler: object | None = None  # its parked sampler while it is preempted
     # Its grammar's state (llguidance.LLMatcher), at the tokens generated so far; it lives here,
     # not in the core, so preemption leaves it as it is.
     matcher: object | None = None
 
-    def take_logprobs(self) -> list[TokenLogprob] | None:
-        logprobs = self.logprobs
-        if logprobs is not None:
-            self.logprobs = []
-        return logprobs
+    def take_logprobs(self, count: int) -> list[TokenLogprob]:
+        """The logprobs of the next `count` tokens, which the emitted text has reached."""
+        taken = self.logprobs[:count]
+        del self.logprobs[:count]
+        return taken
 
 
 def _ending(final: Delta) -> StepTokens:

@@ -1,5 +1,7 @@
 """Turns one sequence's token pieces into the text a client sees: whole UTF-8 characters only,
-and nothing from a stop string on, even when the stop string spans several tokens."""
+and nothing from a stop string on, even when the stop string spans several tokens; and, for
+requests that asked for logprobs, which tokens that text has reached (their logprobs go out with
+it, and those of a stop string's tokens never)."""
 from __future__ import annotations
 
 import codecs
@@ -9,25 +11,43 @@ class TextStream:
     """Feed the bytes of each generated token; get back the text that is safe to emit now.
 
     Text that could still be the start of a stop string is held back until the next piece says
-    whether it is; when a stop string completes, the text before it is emitted and `stopped`."""
+    whether it is; when a stop string completes, the text before it is emitted and `stopped`.
 
-    __slots__ = ("_decoder", "_stops", "_held", "stopped")
+    count_tokens: also count the pieces the emitted text has reached (take_reached). A piece is
+    reached once one of its characters is emitted, so a token partly before a stop string and
+    partly in it counts and one wholly in it never does: llama-server's rule, which drops from
+    the logprobs as many tokens as the stop string's own tokenization has, the tokens that lie
+    in it when the reply's tokens split the text as that tokenization does."""
 
-    def __init__(self, stop: tuple[str, ...] = ()) -> None:
+    __slots__ = ("_decoder", "_stops", "_held", "stopped", "_starts", "_decoded", "_emitted",
+                 "_flushed")
+
+    def __init__(self, stop: tuple[str, ...] = (), count_tokens: bool = False) -> None:
         # 'replace': bytes that never form a valid character become U+FFFD instead of an error.
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._stops = stop
         self._held = ""
         self.stopped = False
+        # Where each piece not reached yet starts in the decoded text, in characters; and how
+        # many characters were decoded and emitted.
+        self._starts: list[int] | None = [] if count_tokens else None
+        self._decoded = self._emitted = 0
+        self._flushed = False
 
     def feed(self, piece: bytes) -> str:
         if self.stopped:
             return ""
-        text = self._held + self._decoder.decode(piece)
-        if not self._stops:
+        decoded = self._decoder.decode(piece)
+        if self._starts is not None:
+            self._starts.append(self._decoded)
+            self._decoded += len(decoded)
+        text = self._held + decoded
+        if self._stops:
+            text = self._split_at_stop(text)
+        else:
             self._held = ""
-            return text
-        return self._split_at_stop(text)
+        self._emitted += len(text)
+        return text
 
     def flush(self) -> str:
         """The text still held back, once generation has ended for another reason."""
@@ -35,7 +55,18 @@ class TextStream:
             return ""
         text = self._held + self._decoder.decode(b"", final=True)
         self._held = ""
+        self._flushed = True
         return text
+
+    def take_reached(self) -> int:
+        """How many more of the pieces fed so far the emitted text has reached; after flush(),
+        all of them."""
+        starts = self._starts
+        reached = 0
+        while reached < len(starts) and (self._flushed or starts[reached] < self._emitted):
+            reached += 1
+        del starts[:reached]
+        return reached
 
     def _split_at_stop(self, text: str) -> str:
         cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)

@@ -107,6 +107,29 @@ def test_logprobs_arrive_with_each_token(engine):
     assert all(len(e.top) == 3 and e.top[0][0] == e.token_id for e in entries)
 
 
+def test_logprobs_cover_the_returned_text_only_and_go_out_with_it(engine):
+    """A stop string that begins inside a token and runs over two more: the logprobs end at the
+    token partly returned (llama-server's rule), and a token's logprob never goes out before
+    some of its text does (text that may begin the stop string is held back with its tokens)."""
+    prompt = engine.model.tokenize("The capital of France is")
+    _, tokens, _ = asyncio.run(run_tokens(engine, prompt, max_tokens=20, temperature=0))
+    pieces = [engine.model.token_to_piece(t).decode() for t in tokens]
+    k = next(i for i in range(2, len(pieces) - 2)
+             if len(pieces[i].strip()) >= 2 and all(pieces[i + 1:i + 3]))
+    stop = pieces[k][1:] + pieces[k + 1] + pieces[k + 2]
+    deltas = collect(engine, prompt, max_tokens=20, temperature=0, logprobs=1, stop=(stop,))
+    assert deltas[-1].finish_reason == FINISH_STOP
+    text = "".join(d.text for d in deltas)
+    assert text == "".join(pieces[:k]) + pieces[k][:1]
+    entries = [e for d in deltas for e in d.logprobs]
+    assert [e.token_id for e in entries] == tokens[:k + 1]
+    sent_text, sent = "", 0
+    for delta in deltas:
+        sent_text += delta.text
+        sent += len(delta.logprobs)
+        assert len("".join(pieces[:sent - 1])) < len(sent_text) or sent == 0
+
+
 def test_abort_mid_stream_frees_its_seq_id_within_a_step(engine):
     async def scenario():
         stream = engine.submit(engine.model.tokenize("Count: one, two,"),

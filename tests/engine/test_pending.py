@@ -37,12 +37,25 @@ def test_first_token_at_once_then_whole_groups_and_the_rest_at_the_end():
 
 def test_logprobs_go_with_their_tokens():
     pending = PendingTokens(2, logprobs=True)
-    pending.add([0], ["<0>"], ["lp0"])
+    pending.add([0], ["<0>"], [["lp0"]])
     assert pending.due() == [("<0>", [0], ["lp0"])]
-    pending.add([1, 2, 3], ["<1>", "<2>", "<3>"], ["lp1", "lp2", "lp3"])
+    pending.add([1, 2, 3], ["<1>", "<2>", "<3>"], [["lp1"], ["lp2"], ["lp3"]])
     assert pending.due() == [("<1><2>", [1, 2], ["lp1", "lp2"])]
     assert pending.rest("") == [("<3>", [3], ["lp3"])]
     assert pending.rest("") == [("", [], [])]
+
+
+def test_logprobs_go_with_the_text_their_tokens_reached():
+    """A token whose text is held back (it may begin a stop string) brings no logprob; the
+    token that releases the text brings both; the end's held text brings its own."""
+    pending = PendingTokens(1, logprobs=True)
+    pending.add([0], ["a"], [["lp0"]])
+    pending.add([1], [""], [[]])
+    pending.add([2], ["bc"], [["lp1", "lp2"]])
+    pending.add([3], [""], [[]])
+    assert pending.due() == [("a", [0], ["lp0"]), ("", [1], []), ("bc", [2], ["lp1", "lp2"]),
+                             ("", [3], [])]
+    assert pending.rest("d", ["lp3"]) == [("d", [], ["lp3"])]
 
 
 def test_no_interval_sends_each_batch_whole():
@@ -62,7 +75,7 @@ def test_push_gives_what_add_then_due_gives(interval):
     start = 0
     for n in [1, 1, 3, 4, 1, 8, 2, 2, 4, 1]:
         ids = list(range(start, start + n))
-        texts, lps = [f"<{t}>" for t in ids], [f"lp{t}" for t in ids]
+        texts, lps = [f"<{t}>" for t in ids], [[f"lp{t}"] for t in ids]
         added.add(ids, texts, lps)
         assert pushed.push(list(ids), texts, lps) == added.due()
         start += n
