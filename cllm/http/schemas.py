@@ -377,7 +377,7 @@ def _functions_spec(body: dict) -> ToolSpec | None:
                 if isinstance(call, dict) else call,
                 "parallel_tool_calls": False}
     try:
-        return _tool_spec(as_tools)
+        return read_tool_spec(as_tools)
     except APIError as e:
         message = re.sub(r"tools\[(\d+)\]\.function", r"functions[\1]", e.message)
         for old, new in _LEGACY_FIELDS.items():
@@ -386,7 +386,7 @@ def _functions_spec(body: dict) -> ToolSpec | None:
         raise _invalid(old_name, message) from None
 
 
-def _tool_spec(body: dict) -> ToolSpec | None:
+def read_tool_spec(body: dict) -> ToolSpec | None:
     """tools, tool_choice and parallel_tool_calls; None when no tool is offered."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -538,7 +538,7 @@ def parse_chat(body: dict, *, max_n: int, max_tokens_limit: int) -> ChatRequest:
     messages = read_messages(body.get("messages"))
     refuse_unimplemented(body, _NOT_IMPLEMENTED_IN_CHAT)
     functions = uses_functions(body)
-    tools = _functions_spec(body) if functions else _tool_spec(body)
+    tools = _functions_spec(body) if functions else read_tool_spec(body)
     constraint = read_constraint(body)
     if tools is not None and tools.choice in ("required", "function") and constraint:
         raise _invalid("tool_choice", f"tool_choice {tools.choice!r} constrains the reply "

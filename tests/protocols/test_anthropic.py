@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import jsonschema
 import pydantic
 import pytest
 from server_process import ServerProcess
@@ -38,7 +39,8 @@ def test_system_turns_and_sampling():
     ({"messages": []}, "messages"), ({"messages": [{"role": "system", "content": "x"}]},
                                      "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages"),
-    ({"tools": [{"name": "f"}]}, "tools"), ({"stop_sequences": "x"}, "stop_sequences"),
+    ({"tools": [{"name": "f"}]}, "tools"), ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"stop_sequences": "x"}, "stop_sequences"),
     ({"stop_sequences": ["s"] * 17}, "stop_sequences"),
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
@@ -69,6 +71,77 @@ def test_structured_output_is_a_json_schema_constraint():
     beta = parse(output_format={"type": "json_schema", "schema": schema}).constraint
     assert (beta.value, beta.param) == (schema, "output_format")
     assert parse().constraint is None and parse(output_config={"effort": "high"}).constraint is None
+
+
+# ---- tools, parsed ----
+
+ADDRESS_SCHEMA = {  # a Pydantic model with a nested one: its schema has $defs
+    "type": "object", "required": ["name", "address"],
+    "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/Address"}},
+    "$defs": {"Address": {"type": "object", "required": ["city", "zip"],
+                          "properties": {"city": {"type": "string"},
+                                         "zip": {"type": "string", "maxLength": 5}}}}}
+TOOLS = [{"name": "record_person", "description": "Record a person and where they live.",
+          "input_schema": ADDRESS_SCHEMA},
+         {"name": "get_weather", "description": "The weather in a city.",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}]
+
+
+def test_tools_and_tool_choice_become_the_tool_path():
+    spec = parse(tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather",
+                                           "disable_parallel_tool_use": True}).tools
+    assert [t.name for t in spec.tools] == ["record_person", "get_weather"]
+    assert spec.tools[0].parameters == ADDRESS_SCHEMA
+    assert (spec.choice, spec.name, spec.parallel) == ("function", "get_weather", False)
+    assert parse(tools=TOOLS, tool_choice={"type": "any"}).tools.choice == "required"
+    assert parse(tools=TOOLS).tools.choice == "auto"
+    assert not parse(tools=TOOLS, tool_choice={"type": "none"}).calls
+    assert parse(tools=TOOLS, tool_choice={"type": "any"}).constraint.param == "tool_choice"
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"tools": [{**TOOLS[1], "strict": True}]}, "tools[0].strict"),
+    ({"tools": [{**TOOLS[1], "input_examples": []}]}, "tools[0].input_examples"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
+    ({"tools": [{**TOOLS[1], "name": "a b"}]}, "tools[0].name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "auto", "strict": 1}}, "tool_choice.strict"),
+    ({"tools": TOOLS, "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+])
+def test_tool_fields_refused_by_name(fields, named):
+    with pytest.raises(APIError) as info:
+        parse(**fields)
+    assert info.value.status == 400 and named in info.value.message
+
+
+def test_tool_use_and_tool_result_blocks_become_calls_and_tool_messages():
+    turns = [TURNS[0],
+             {"role": "assistant", "content": [
+                 {"type": "text", "text": "Let me look."},
+                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                  "input": {"city": "Paris"}}]},
+             {"role": "user", "content": [
+                 {"type": "tool_result", "tool_use_id": "toolu_1",
+                  "content": [{"type": "text", "text": "18 C"}]},
+                 {"type": "text", "text": "And tomorrow?"}]},
+             {"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "toolu_2", "name": "get_weather",
+                  "input": {"city": "Paris"}}]},
+             {"role": "user", "content": [
+                 {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no data",
+                  "is_error": True}]}]
+    messages = parse(tools=TOOLS, messages=turns).messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "user", "assistant",
+                                            "tool"]
+    assert messages[1]["content"] == "Let me look."
+    assert messages[1]["tool_calls"] == [{"id": "toolu_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "toolu_1"}
+    assert messages[3]["content"] == "And tomorrow?"
+    assert messages[5]["content"] == "Error: no data"
 
 
 # ---- the server, through the SDK ----
@@ -207,3 +280,69 @@ def test_count_tokens_counts_what_a_message_would_read(client):
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.count_tokens(model=MODEL, messages=[])
     assert info.value.body["error"]["type"] == "invalid_request_error"
+
+
+# ---- tools, through the SDK ----
+
+def test_a_forced_tool_call_validates_against_its_schema_with_defs(client):
+    m = client.messages.create(model=MODEL, max_tokens=200, tools=TOOLS,
+                               tool_choice={"type": "tool", "name": "record_person"},
+                               messages=[{"role": "user", "content":
+                                          "Alice lives in Paris, zip 75001. Record her."}],
+                               extra_body=GREEDY)
+    assert m.stop_reason == "tool_use"
+    (block,) = [b for b in m.content if b.type == "tool_use"]
+    assert block.name == "record_person" and block.id.startswith("toolu_")
+    jsonschema.validate(block.input, ADDRESS_SCHEMA)
+
+
+def test_streaming_a_tool_call_accumulates_to_the_whole_ones_input(client):
+    ask = {"model": MODEL, "max_tokens": 200, "tools": TOOLS,
+           "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+           "messages": [{"role": "user", "content": "What is the weather in Rome?"}],
+           "extra_body": GREEDY}
+    whole = client.messages.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    blocks = [e for e in events if e.type.startswith("content_block")]
+    assert [e.type for e in blocks] == ["content_block_start", "content_block_delta",
+                                        "content_block_stop"]
+    assert blocks[0].content_block.type == "tool_use" and blocks[0].content_block.input == {}
+    assert blocks[1].delta.type == "input_json_delta"
+    assert final.stop_reason == whole.stop_reason == "tool_use"
+    strip = lambda m: [(b.type, getattr(b, "name", None), getattr(b, "input", None))  # noqa
+                       for b in m.content]
+    assert strip(final) == strip(whole)
+    assert len([b for b in whole.content if b.type == "tool_use"]) == 1
+
+
+def test_auto_tools_with_a_tool_result_round_trip(client):
+    """A call forced first, its result sent back as a tool_result: the model answers with text
+    under tool_choice auto, and the result reaches its prompt."""
+    question = {"role": "user", "content": "What is the weather in Rome?"}
+    call = client.messages.create(model=MODEL, max_tokens=100, tools=TOOLS[1:],
+                                  tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                  messages=[question],
+                                  extra_body=GREEDY)
+    (use,) = [b for b in call.content if b.type == "tool_use"]
+    history = [question, {"role": "assistant", "content": call.content},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                             "content": "Sunny, 31 degrees Celsius."}]}]
+    reply = client.messages.create(model=MODEL, max_tokens=60, tools=TOOLS[1:],
+                                   messages=history, extra_body=GREEDY)
+    assert reply.stop_reason in ("end_turn", "tool_use", "max_tokens")
+    assert reply.content and all(b.type in ("text", "tool_use") for b in reply.content)
+    with_result = client.messages.count_tokens(model=MODEL, tools=TOOLS[1:], messages=history)
+    without = client.messages.count_tokens(model=MODEL, messages=history)
+    shorter = client.messages.count_tokens(model=MODEL, tools=TOOLS[1:], messages=history[:1])
+    assert with_result.input_tokens > without.input_tokens  # the tools are in the prompt
+    assert with_result.input_tokens > shorter.input_tokens + 10  # and so are call and result
+
+
+def test_unknown_fields_inside_tools_are_refused_by_name(client):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, max_tokens=10, messages=TURNS,
+                               tools=[{**TOOLS[1], "strict": True}])
+    assert "tools[0].strict" in info.value.message
+    assert client.messages.create(model=MODEL, max_tokens=5, messages=TURNS).content
