@@ -1,11 +1,13 @@
 """OpenAI's chat completions (cllm/protocols/openai.py) through the official SDK against the real
-server: the deprecated function-calling fields, and fields refused by name."""
+server: the deprecated function-calling fields, fields refused by name, and logprobs at a stop
+string."""
 from __future__ import annotations
 
 import json
 
 import openai
 import pytest
+from http_checks import post_stream, sse_payloads
 from server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
@@ -68,3 +70,33 @@ def test_the_text_modality_is_served(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
                                        modalities=["text"])
     assert r.choices[0].message.content
+
+
+def _logprob_tokens(path: str, whole: dict, chunks: list) -> list[list[str]]:
+    """The tokens the logprobs of a whole reply and of a streamed one name."""
+    if path == "/v1/completions":
+        return [whole["choices"][0]["logprobs"]["tokens"],
+                [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]]
+    content = lambda choice: (choice.get("logprobs") or {}).get("content") or []  # noqa: E731
+    return [[e["token"] for e in content(whole["choices"][0])],
+            [e["token"] for c in chunks if c["choices"] for e in content(c["choices"][0])]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_logprobs_end_where_the_text_ends_at_a_stop_string(http, path):
+    """A stop string that begins inside a token and covers two more: the logprobs, whole and
+    streamed, name the tokens of the returned text, the one partly in it included."""
+    ask = ({"prompt": "The capital of France is"} if path == "/v1/completions"
+           else {"messages": [{"role": "user", "content": "Describe Paris in one sentence."}]})
+    ask |= {"model": MODEL, "max_tokens": 20, "temperature": 0}
+    ask |= {"logprobs": 1} if path == "/v1/completions" else {"logprobs": True}
+    free = http.post(path, json=ask).json()
+    tokens = _logprob_tokens(path, free, [])[0]
+    k = next(i for i in range(2, len(tokens) - 2)
+             if len(tokens[i].strip()) >= 2 and all(tokens[i + 1:i + 3]))
+    stop = tokens[k][1:] + tokens[k + 1] + tokens[k + 2]
+    whole = http.post(path, json={**ask, "stop": [stop]}).json()
+    _, body = post_stream(http, path, {**ask, "stop": [stop], "stream": True})
+    chunks = sse_payloads(body)
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert _logprob_tokens(path, whole, chunks) == [tokens[:k + 1]] * 2
