@@ -2,7 +2,8 @@
 sequence's KV state (llama.cpp's per-sequence state) in host memory, up to a byte budget, least
 recently used dropped first. A later prompt that starts with more of an entry's tokens than any
 slot holds has the copy loaded into its slot instead of computing that prefix again
-(docs/design/kv-tiers.md).
+(docs/design/kv-tiers.md). What it drops goes to the disk tier, when there is one
+(cllm/engine/kv_disk.py).
 
 Pure Python: the prefix cache decides what to save and what to load (as `KvOp`s carrying an
 entry), the engine copies the bytes and reports them here."""
@@ -11,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cllm.engine.prefix_cache import common_packed_prefix, pack
 
@@ -32,9 +33,10 @@ class HostEntry:
 
 
 class HostTier:
-    """Evicted prefixes in host RAM, at most `capacity` bytes of state (0: the tier is off).
-    An entry whose tokens another entry starts with is redundant and dropped; an entry dropped
-    for room while a load of it is pending stays alive in that load's `KvOp` until applied."""
+    """Evicted prefixes in host RAM, at most `capacity` bytes of state (0: the tier is off),
+    and with a disk tier attached, those in its files too. An entry whose tokens another entry
+    starts with is redundant and dropped; an entry dropped for room while a load of it is
+    pending stays alive in that load's `KvOp` until applied."""
 
     # Shorter prefixes cost less to compute than to look up and copy.
     MIN_TOKENS = 32
@@ -91,11 +93,15 @@ class HostTier:
         return entry
 
     def store(self, entry: HostEntry, data, seconds: float) -> None:
-        """The engine copied `entry`'s state; older entries go until the tier fits its budget
-        (the new one too, if alone it does not fit)."""
-        entry.data = data
+        """The engine copied `entry`'s state (in `seconds`)."""
         self.saves += 1
         self.save_seconds += seconds
+        self._hold(entry, data)
+
+    def _hold(self, entry: HostEntry, data) -> None:
+        """`entry` holds `data` now; older entries go (to disk, if there is one) until the tier
+        fits its budget, the new one too if alone it does not fit."""
+        entry.data = data
         if id(entry) not in self._entries:
             return
         self.bytes += len(data)
@@ -120,8 +126,7 @@ class HostTier:
             if not self.disk.load(entry):
                 return False
             self._entries[id(entry)] = entry
-            self.store(entry, entry.data, 0.0)
-            self.saves -= 1  # read back, not saved
+            self._hold(entry, entry.data)
         self.hits += 1
         if id(entry) in self._entries:
             self._entries.move_to_end(id(entry))
@@ -150,7 +155,9 @@ class HostTier:
     def _to_disk(self, entry: HostEntry) -> None:
         if self.disk is None:
             return
-        written = self.disk.write(entry)
+        # One read back from a file is there still (as long as the budget left it).
+        on_file = entry.path is not None and os.path.exists(entry.path)
+        written = replace(entry, data=None) if on_file else self.disk.write(entry)
         if written is not None:
             self._on_disk = [e for e in self._on_disk if e.path != written.path] + [written]
 
