@@ -39,13 +39,22 @@ class TextStream:
             return ""
         decoded = self._decoder.decode(piece)
         if self._starts is not None:
-            self._starts.append(self._decoded)
-            self._decoded += len(decoded)
+            return self._counted(decoded)
+        return self._emit(decoded)
+
+    def _emit(self, decoded: str) -> str:
         text = self._held + decoded
-        if self._stops:
-            text = self._split_at_stop(text)
-        else:
+        if not self._stops:
             self._held = ""
+            return text
+        return self._split_at_stop(text)
+
+    def _counted(self, decoded: str) -> str:
+        """_emit(), counting the piece's start and the characters decoded and emitted (apart,
+        so that requests without logprobs do not pay for it)."""
+        self._starts.append(self._decoded)
+        self._decoded += len(decoded)
+        text = self._emit(decoded)
         self._emitted += len(text)
         return text
 
