@@ -1,5 +1,6 @@
 """The engine with the real default model: continuous batching end to end, no HTTP."""
 import asyncio
+import functools
 import random
 
 import pytest
@@ -784,6 +785,15 @@ async def _chain_beside_a_long_request(eng, prompts):
 
 # ---- priority ----
 
+async def _until_end(ended, name, stream, first_delta=None):
+    """The text of `stream` from `first_delta` on; `name` joins `ended` when it ends."""
+    text = first_delta.text if first_delta else ""
+    async for delta in stream:
+        text += delta.text
+    ended.append(name)
+    return text
+
+
 @ON_GPU_NOT_BATCH_INVARIANT
 def test_a_request_of_higher_priority_preempts_one_whose_text_stays_what_it_was(model_path):
     """Two low-priority requests hold both slots; an urgent one arrives, preempts the newer of
@@ -796,13 +806,7 @@ def test_a_request_of_higher_priority_preempts_one_whose_text_stays_what_it_was(
     try:
         alone = [asyncio.run(run(eng, PROMPTS[i], **low[i]))[0] for i in range(2)]
         ended = []
-
-        async def until_end(name, stream, first_delta=None):
-            text = first_delta.text if first_delta else ""
-            async for delta in stream:
-                text += delta.text
-            ended.append(name)
-            return text
+        until_end = functools.partial(_until_end, ended)
 
         async def together():
             streams = [eng.submit(eng.model.tokenize(PROMPTS[i]),
@@ -839,13 +843,7 @@ def test_a_person_beside_a_batch_runs_in_the_lane_and_no_text_changes(model_path
         alone = [asyncio.run(run(eng, PROMPTS[i], **batch))[0] for i in range(4)]
         person_alone = asyncio.run(run(eng, PROMPTS[4], max_tokens=4, temperature=0))[0]
         ended = []
-
-        async def until_end(name, stream, first_delta=None):
-            text = first_delta.text if first_delta else ""
-            async for delta in stream:
-                text += delta.text
-            ended.append(name)
-            return text
+        until_end = functools.partial(_until_end, ended)
 
         async def together():
             streams = [eng.submit(eng.model.tokenize(PROMPTS[i]), SamplingParams(**batch))
