@@ -1,5 +1,6 @@
 """llama-server's own routes, for the scripts and tools written against it: POST /completion
-(its native body and response, streamed or whole), GET /props, POST /tokenize and /detokenize.
+(its native body and response, streamed or whole), POST /infill (fill-in-the-middle, the same
+response), GET /props, POST /tokenize and /detokenize.
 
 Shapes follow llama-server at the pinned llama.cpp (tools/server): a streamed /completion sends
 `data: {...}` events and no [DONE]; its last event has `"stop": true` and the totals."""
