@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator
@@ -265,26 +266,26 @@ class ServerConfig:
 
 
 DEFAULT_KEEP_ALIVE = 300.0  # Ollama's five minutes, for a server of several models
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# A duration in Go's notation ("5m", "1h30m", "-1s", "500ms"), as Ollama's keep_alive takes it.
+_DURATION = re.compile(r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|ms|s|m|h))+")
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)")
+_SECONDS = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_duration(text: str | float) -> float:
-    """A keep-alive as Ollama writes it: seconds as a number, or a number with a unit
-    ("500ms", "30s", "5m", "1h", "-1"); negative means forever."""
-    if isinstance(text, (int, float)):
+    """A keep-alive as Ollama takes it, in seconds: a number of seconds (also as text, "-1"),
+    or a duration in Go's notation ("500ms", "5m", "1h30m"); negative means forever."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
-    value = text.strip()
-    for unit in sorted(_DURATION_UNITS, key=len, reverse=True):
-        if value.endswith(unit) and value[:-len(unit)].strip():
-            number, scale = value[:-len(unit)], _DURATION_UNITS[unit]
-            break
-    else:
-        number, scale = value, 1.0
-    try:
-        return float(number) * scale
-    except ValueError:
-        raise ValueError(f"not a duration: {text!r} (seconds, or a number with ms, s, m or h, "
-                         "as in 5m; negative: never)") from None
+    value = text.strip() if isinstance(text, str) else ""
+    if _SECONDS.fullmatch(value):
+        return float(value)
+    if _DURATION.fullmatch(value):
+        sign = -1.0 if value.startswith("-") else 1.0
+        return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value))
+    raise ValueError(f"not a duration: {text!r} (seconds, or a duration such as 5m or 1h30m; "
+                     "negative: never)")
 
 
 CPU_WAIT_MODES = ("auto", "spin", "sleep")

@@ -59,6 +59,9 @@ class ServedModel:
         self.last_used = 0.0  # time.monotonic() of the last start or end of its work
         self.lock = asyncio.Lock()  # one load or unload at a time
         self.idle_timer: asyncio.TimerHandle | None = None
+        # Seconds it stays loaded once idle, as the last request that said so asked (Ollama's
+        # keep_alive; negative: for good); None: the server's --keep-alive.
+        self.keep_alive: float | None = None
 
     @property
     def resident(self) -> bool:
@@ -196,10 +199,33 @@ class ModelRegistry:
     def release(self, model: ServedModel) -> None:
         model.in_flight -= 1
         model.last_used = time.monotonic()
-        if model.in_flight == 0 and not model.pinned and math.isfinite(self.keep_alive):
+        keep_alive = self.keep_alive_of(model)
+        if model.in_flight == 0 and not model.pinned and math.isfinite(keep_alive):
             loop = asyncio.get_running_loop()
             model.idle_timer = loop.call_later(
-                self.keep_alive, lambda: loop.create_task(self.unload(model, idle=True)))
+                keep_alive, lambda: loop.create_task(self.unload(model, idle=True)))
+
+    def ask_keep_alive(self, model: ServedModel, seconds: float) -> None:
+        """A request's keep_alive for its model (Ollama's), kept where models load on demand:
+        the one model of a single-model server stays as the server started it."""
+        if len(self.models) > 1:
+            model.keep_alive = seconds
+
+    def keep_alive_of(self, model: ServedModel) -> float:
+        """Seconds `model` stays loaded once idle: its last request's keep_alive, else the
+        server's; inf for good."""
+        if model.keep_alive is None:
+            return self.keep_alive
+        return math.inf if model.keep_alive < 0 else model.keep_alive
+
+    def expires_in(self, model: ServedModel) -> float:
+        """Seconds until `model` unloads if no request comes (inf: it stays)."""
+        if model.pinned:
+            return math.inf
+        keep_alive = self.keep_alive_of(model)
+        if model.in_flight:
+            return keep_alive
+        return max(0.0, model.last_used + keep_alive - time.monotonic())
 
     async def acquire(self, name: str | None) -> ServedModel:
         """The model a request names, loaded, held for the request (release it after)."""
@@ -246,8 +272,8 @@ class ModelRegistry:
         async with model.lock:
             if model.status != LOADED or model.in_flight:
                 return False
-            if idle and (model.pinned or
-                         time.monotonic() - model.last_used < self.keep_alive - 0.01):
+            if idle and (model.pinned or time.monotonic() - model.last_used
+                         < self.keep_alive_of(model) - 0.01):
                 return False
             model.status = UNLOADED  # from here a request waits for the lock, then loads it
             await asyncio.to_thread(model.unload)

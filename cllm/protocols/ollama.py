@@ -7,8 +7,8 @@ Bodies are translated into cllm's requests: `options` into SamplingParams (Ollam
 what a request leaves out), `format` into a JSON Schema constraint, `tools` into cllm's tool
 calls (http/tools.py), a generate's `suffix` into a fill-in-the-middle prompt (http/fim.py).
 Whatever cllm does not implement is refused by name with a 400 in Ollama's error shape
-{"error": "..."}. `keep_alive` is read and checked; the served model stays resident whatever it
-says, as /api/ps shows. Durations are measured, in nanoseconds. `context`, which Ollama deprecated,
+{"error": "..."}. `keep_alive` sets how long the request's model stays loaded once idle
+(http/registry.py), as /api/ps shows. Durations are measured, in nanoseconds. `context`, which Ollama deprecated,
 is neither taken nor returned: a conversation goes to /api/chat, whose earlier turns the prefix
 cache finds again."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
-import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -27,7 +27,7 @@ from datetime import datetime, timedelta, timezone
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cllm.config import SamplingParams
+from cllm.config import SamplingParams, parse_duration
 from cllm.engine.engine import Delta, Engine
 from cllm.engine.sequence import FINISH_LENGTH
 from cllm.errors import APIError
@@ -45,6 +45,7 @@ from cllm.http.common import (
 )
 from cllm.http.formats import Choice, Format
 from cllm.http.model_card import parameter_size, quantization
+from cllm.http.registry import LOADED, ServedModel
 from cllm.http.schemas import Constraint
 from cllm.protocols import embeddings
 from cllm.protocols.llama_server import cllm_version
@@ -60,10 +61,6 @@ _HARMLESS_OPTIONS = {"repeat_last_n": (64,), "mirostat": (0,), "typical_p": (1,)
                      "tfs_z": (1,)}
 # Top-level fields refused unless absent or one of these values.
 _NOT_IMPLEMENTED = {"think": (False,), "logprobs": (False,), "top_logprobs": (0,)}
-# A duration in Go's notation ("5m", "1h30m", "-1s"), as keep_alive takes it.
-_DURATION = re.compile(r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|ms|s|m|h))+")
-_SECONDS = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
 # What /api/ps shows for a model that stays resident: Ollama's expiry for keep_alive < 0, the
 # longest duration it has from now.
 _FOREVER = timedelta(microseconds=((1 << 63) - 1) // 1000)
@@ -75,7 +72,6 @@ class OllamaRequest:
     stream: bool
     sampling: SamplingParams
     constraint: Constraint | None
-    keep_alive: float | None  # seconds; negative: for good; None: the server's
     num_ctx: int | None  # a bound on the sequence's tokens, prompt and reply
 
 
@@ -83,18 +79,15 @@ class OllamaRequest:
 
 def read_keep_alive(body: dict) -> float | None:
     """keep_alive in seconds: a number of seconds or a duration such as "5m" (negative: for
-    good, 0: unload at once)."""
+    good, 0: unload as soon as the request ends); None when absent."""
     value = body.get("keep_alive")
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return value
-    if isinstance(value, str) and _SECONDS.fullmatch(value):  # "-1", as some clients send it
-        return float(value)
-    if isinstance(value, str) and _DURATION.fullmatch(value):
-        sign = -1 if value.startswith("-") else 1
-        return sign * sum(float(n) * _UNIT_SECONDS[u]
-                          for n, u in re.findall(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)", value))
-    raise APIError(400, f"keep_alive must be a number of seconds or a duration such as \"5m\", "
-                   f"got {value!r}", param="keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise APIError(400, "keep_alive must be a number of seconds or a duration such as "
+                       f"\"5m\", got {value!r}", param="keep_alive") from None
 
 
 def _options(body: dict) -> dict:
@@ -147,8 +140,7 @@ def parse_request(body: dict, limit: int) -> OllamaRequest:
     return OllamaRequest(
         stream=schemas.read_field(body, "stream", "a boolean", True),
         sampling=schemas.read_sampling(fields, _max_tokens(options, limit), None),
-        constraint=_format(body), keep_alive=read_keep_alive(body),
-        num_ctx=_num_ctx(options, limit))
+        constraint=_format(body), num_ctx=_num_ctx(options, limit))
 
 
 def chat_messages(body: dict) -> tuple[list[dict], tools.ToolSpec | None]:
@@ -267,17 +259,24 @@ class OllamaFormat(Format):
 # ---- routes ----
 
 async def _engine(request: Request, state: AppState, body: dict) -> tuple[Engine, int]:
-    """The engine the body's model names and the nanoseconds spent getting it."""
+    """The engine the body's model names and the nanoseconds spent getting it; the body's
+    keep_alive, if any, becomes the model's."""
+    keep_alive = read_keep_alive(body)
     started = time.perf_counter_ns()
     engine = await state.engine_for(request, body)
+    if keep_alive is not None:
+        state.models.ask_keep_alive(request_model(request), keep_alive)
     return engine, time.perf_counter_ns() - started
 
 
-def _loaded(request: Request, chat: bool) -> JSONResponse:
-    """What Ollama answers a request with nothing to generate: the model is loaded."""
+def _loaded(request: Request, state: AppState, chat: bool) -> JSONResponse:
+    """What Ollama answers a request with nothing to generate: the model is loaded, or with
+    keep_alive 0, unloads as the request ends."""
     reply = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-    return JSONResponse({"model": request_model(request).name, "created_at": _now(), **reply,
-                         "done": True, "done_reason": "load"})
+    model = request_model(request)
+    unloads = state.models.keep_alive_of(model) == 0
+    return JSONResponse({"model": model.name, "created_at": _now(), **reply, "done": True,
+                         "done_reason": "unload" if unloads else "load"})
 
 
 async def _generate(request: Request, state: AppState, engine: Engine, req: OllamaRequest,
@@ -299,7 +298,7 @@ async def chat(request: Request, state: AppState) -> Response:
     engine, load_ns = await _engine(request, state, body)
     req = parse_request(body, engine.max_seq_len)
     if body.get("messages") == []:
-        return _loaded(request, chat=True)
+        return _loaded(request, state, chat=True)
     messages, spec = chat_messages(body)
     rendered, offered = tools.prompt_messages(messages, spec,
                                               request_model(request).renderer.template.takes_tools)
@@ -323,7 +322,7 @@ async def generate(request: Request, state: AppState) -> Response:
     suffix = schemas.read_field(body, "suffix", "a string", "")
     raw = schemas.read_field(body, "raw", "a boolean", False)
     if not text and not suffix:
-        return _loaded(request, chat=False)
+        return _loaded(request, state, chat=False)
     if system and (raw or suffix):
         raise APIError(400, "system goes with a prompt the chat template renders, not with raw "
                        "or suffix", param="system")
@@ -350,7 +349,6 @@ async def _embed(request: Request, state: AppState, body: dict, texts: list[str]
     if schemas.read_field(body, "options", "an object", {}):
         raise APIError(400, f"options.{next(iter(body['options']))} is not supported",
                        param="options")
-    read_keep_alive(body)
     inputs = [await tokenize_text(request, engine, t, add_special=True) for t in texts]
     if truncate:
         inputs = [tokens[:request_model(request).embeddings.max_tokens] for tokens in inputs]
@@ -395,34 +393,47 @@ def _digest(path: str, mtime: float, size: int) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-async def _entry(name: str, engine: Engine) -> dict:
-    """The served model as /api/tags and /api/ps list it."""
-    model = engine.model
-    stat = os.stat(model.path)
-    arch = model.metadata.get("general.architecture", "")
-    return {"name": name, "model": name,
+async def _entry(model: ServedModel) -> dict:
+    """A model as /api/tags and /api/ps list it: its file, and once it is loaded what its
+    GGUF says of it."""
+    path = model.source.path
+    stat = os.stat(path)
+    details = {"parent_model": "", "format": "gguf", "family": "", "families": [],
+               "parameter_size": "", "quantization_level": ""}
+    engine = model.engine if model.status == LOADED else None
+    if engine is not None:
+        arch = engine.model.metadata.get("general.architecture", "")
+        details.update(family=arch, families=[arch],
+                       parameter_size=parameter_size(engine.model.n_params),
+                       quantization_level=quantization(engine.model.metadata))
+    return {"name": model.name, "model": model.name,
             "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat(),
             "size": stat.st_size,
-            "digest": await asyncio.to_thread(_digest, model.path, stat.st_mtime, stat.st_size),
-            "details": {"parent_model": "", "format": "gguf", "family": arch,
-                        "families": [arch], "parameter_size": parameter_size(model.n_params),
-                        "quantization_level": quantization(model.metadata)}}
+            "digest": await asyncio.to_thread(_digest, path, stat.st_mtime, stat.st_size),
+            "details": details}
 
 
 async def tags(request: Request, state: AppState) -> Response:
-    model = await state.model_for(request)
-    return JSONResponse({"models": [await _entry(model.name, model.require_engine())]})
+    """Every model the server has, loaded or not (details once loaded)."""
+    return JSONResponse({"models": [await _entry(m) for m in state.models.models.values()]})
 
 
 async def ps(request: Request, state: AppState) -> Response:
-    """The loaded model: it stays resident as long as the server runs, which Ollama shows as
-    its expiry for keep_alive < 0; size_vram is what the GPU holds of its weights."""
-    engine = await state.engine_for(request)
-    entry = await _entry(request_model(request).name, engine)
-    entry.update({"expires_at": (datetime.now(timezone.utc) + _FOREVER).isoformat(),
-                  "size_vram": engine.model.size_bytes if engine.weights_on_gpu else 0,
-                  "context_length": engine.max_seq_len})
-    return JSONResponse({"models": [entry]})
+    """The loaded models, each with when it unloads if no request comes (a model that stays
+    shows Ollama's expiry for keep_alive < 0); size_vram is what the GPU holds of its
+    weights."""
+    loaded = []
+    for model in state.models.models.values():
+        if model.status != LOADED or model.engine is None:
+            continue
+        entry, engine = await _entry(model), model.engine
+        expires_in = state.models.expires_in(model)
+        until = _FOREVER if math.isinf(expires_in) else timedelta(seconds=expires_in)
+        entry.update({"expires_at": (datetime.now(timezone.utc) + until).isoformat(),
+                      "size_vram": engine.model.size_bytes if engine.weights_on_gpu else 0,
+                      "context_length": engine.max_seq_len})
+        loaded.append(entry)
+    return JSONResponse({"models": loaded})
 
 
 async def show(request: Request, state: AppState) -> Response:
@@ -438,7 +449,7 @@ async def show(request: Request, state: AppState) -> Response:
     if min(fim_tokens.prefix, fim_tokens.suffix, fim_tokens.middle) >= 0:
         capabilities.append("insert")
     info = {k: int(v) if v.isdigit() else v for k, v in model.metadata.items()}
-    entry = await _entry(request_model(request).name, engine)
+    entry = await _entry(request_model(request))
     return JSONResponse({"modelfile": f"FROM {model.path}\n", "parameters": "",
                          "template": request_model(request).renderer.template.source or "",
                          "details": entry["details"], "modified_at": entry["modified_at"],

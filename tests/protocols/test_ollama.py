@@ -26,7 +26,7 @@ def test_ollama_defaults_apply_to_options_left_out():
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty) == tuple(
         DEFAULTS[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty"))
     assert s.max_tokens == 1000  # num_predict -1: until the context is full
-    assert req.stream and req.constraint is None and req.keep_alive is None
+    assert req.stream and req.constraint is None
 
 
 def test_options_map_to_sampling():
@@ -55,6 +55,13 @@ def test_keep_alive_durations(value, seconds):
     assert read_keep_alive({"keep_alive": value}) == pytest.approx(seconds)
 
 
+@pytest.mark.parametrize("value", ["soon", "5x", "1h30", True])
+def test_a_keep_alive_that_is_no_duration_is_refused_by_name(value):
+    with pytest.raises(APIError) as info:
+        read_keep_alive({"keep_alive": value})
+    assert info.value.status == 400 and info.value.param == "keep_alive"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"options": {"mirostat": 2}}, "options.mirostat"),
     ({"options": {"num_gpu": 1}}, "options.num_gpu"),
@@ -63,8 +70,7 @@ def test_keep_alive_durations(value, seconds):
     ({"options": {"num_ctx": 1001}}, "options.num_ctx"),
     ({"options": {"top_p": 2}}, "top_p"),
     ({"think": True}, "think"), ({"logprobs": True}, "logprobs"),
-    ({"format": "yaml"}, "format"), ({"keep_alive": "soon"}, "keep_alive"),
-    ({"keep_alive": "5"+"x"}, "keep_alive"), ({"stream": "yes"}, "stream"),
+    ({"format": "yaml"}, "format"), ({"stream": "yes"}, "stream"),
 ])
 def test_refusals_name_the_field(body, param):
     with pytest.raises(APIError) as info:

@@ -2,6 +2,7 @@
 endpoints (GET /models, POST /models/load, POST /models/unload), /v1/models, and the `model`
 label of the metrics. Two real models: SmolLM2 and Gemma 3."""
 import concurrent.futures
+import time
 
 import pytest
 from http_checks import assert_error
@@ -87,6 +88,29 @@ def test_load_and_unload_on_request(http):
     assert http.get("/v1/models/smol").json()["meta"]["n_vocab"] > 0
     r = http.post("/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_ollama_lists_every_model_and_a_requests_keep_alive_unloads_its_model(http):
+    http.post("/models/load", json={"model": "smol"})
+    http.post("/models/unload", json={"model": "gemma"})
+    tags = {m["name"]: m for m in http.get("/api/tags").json()["models"]}
+    assert set(tags) == {"smol", "gemma"}  # listed without loading gemma
+    assert tags["smol"]["details"]["quantization_level"] == "Q4_1"
+    assert tags["gemma"]["size"] > 0 and states(http)["gemma"] == "unloaded"
+    assert [m["name"] for m in http.get("/api/ps").json()["models"]] == ["smol"]
+    # Ollama's way to load a model for a while, then to unload it: empty requests.
+    r = http.post("/api/generate", json={"model": "gemma", "keep_alive": "1m"})
+    assert r.json()["done_reason"] == "load"
+    ps = {m["name"]: m for m in http.get("/api/ps").json()["models"]}
+    assert set(ps) == {"smol", "gemma"}
+    assert ps["gemma"]["expires_at"] < ps["smol"]["expires_at"]  # a minute against never
+    r = http.post("/api/generate", json={"model": "gemma", "keep_alive": 0})
+    assert r.json()["done_reason"] == "unload"
+    for _ in range(50):
+        if states(http)["gemma"] == "unloaded":
+            break
+        time.sleep(0.1)
+    assert states(http)["gemma"] == "unloaded"
 
 
 @pytest.mark.parametrize("body,param", [({}, "model"), ({"model": "smol", "force": True}, "force"),
