@@ -171,7 +171,8 @@ def app_for(config: ServerConfig, sources: list[ModelSource] | None = None,
     # Loads llama.cpp: only once the arguments are known good and the CPU wait policy is set.
     from cllm.app.server import create_app
     from cllm.engine.engine import Engine
-    return create_app(config, sources, lambda path: Engine(config.engine, path),
+    return create_app(config, sources,
+                      lambda path, on_model: Engine(config.engine, path, on_model),
                       on_load_failure=on_load_failure)
 
 

@@ -20,11 +20,11 @@ from starlette.routing import Route
 from cllm.app import webui
 from cllm.app.access import access_checks
 from cllm.config import ServerConfig
-from cllm.engine.engine import Engine
 from cllm.errors import APIError
 from cllm.http.common import AppState, error_response, guarded
 from cllm.http.formats import GenerateFormat
 from cllm.http.metrics import CONTENT_TYPE
+from cllm.http.registry import EngineFactory
 from cllm.http.responses import anthropic_error, ollama_error
 from cllm.models import ModelSource
 from cllm.protocols import (
@@ -56,7 +56,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def create_app(config: ServerConfig, sources: list[ModelSource],
-               make_engine: Callable[[str], Engine],
+               make_engine: EngineFactory,
                on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
     """The app, serving the models of `sources` (make_engine loads one's GGUF file). The only
     model, or the pinned ones, load once the server is up (/health answers 503 until then); if

@@ -155,6 +155,10 @@ class RequestStream:
             self._on_end(final)
 
 
+# The model an engine runs, for the layers above it, which reach llama.cpp only through the
+# engine.
+Model = _core.Model
+
 # Prompt tokens a step may compute on a CPU while several users share the server: a request
 # arriving mid-step waits for the step in flight, and on a CPU a step's time is its tokens'
 # (docs/design/fair-shares.md).
@@ -162,9 +166,14 @@ SHARED_PROMPT_TOKENS = 128
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str,
+                 on_model: Callable[[Model], None] | None = None) -> None:
+        """`on_model` gets the model as soon as its weights are loaded, before the context is
+        made (what only reads the vocabulary can start meanwhile)."""
         self.config = config
         self.model = _core.Model(model_path, n_gpu_layers=config.n_gpu_layers)
+        if on_model is not None:
+            on_model(self.model)
         gpu = _core.supports_gpu_offload()
         self.kv_unified = (default_kv_unified() if config.kv_unified is None
                            else config.kv_unified)

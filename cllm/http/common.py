@@ -10,7 +10,6 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,7 +25,7 @@ from cllm.http.generation import Generation, SequenceFailure, failure
 from cllm.http.metrics import Metrics, merge
 from cllm.http.pool import Overdue, PoolClosed, WorkPool
 from cllm.http.quotas import Quotas
-from cllm.http.registry import ModelRegistry, ServedModel
+from cllm.http.registry import EngineFactory, ModelRegistry, ServedModel
 from cllm.http.responses import anthropic_error, ollama_error
 from cllm.http.schemas import Constraint
 from cllm.models import ModelSource
@@ -50,7 +49,7 @@ class AppState:
     one app."""
 
     def __init__(self, config: ServerConfig, sources: list[ModelSource],
-                 make_engine: Callable[[str], Engine]) -> None:
+                 make_engine: EngineFactory) -> None:
         self.config = config
         self.metrics = Metrics(frozenset(k.name for k in config.keys() if k.name))
         self.models = ModelRegistry(config, sources, make_engine, self.metrics)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from cllm.config import ServerConfig
 from cllm.engine.embedder import Embeddings
-from cllm.engine.engine import Engine
+from cllm.engine.engine import Engine, Model
 from cllm.errors import APIError
 from cllm.http.chat_template import ChatTemplate, TemplateRenderer
 from cllm.http.metrics import Metrics
@@ -28,6 +28,8 @@ from cllm.http.responses import Token, token_name
 from cllm.models import ModelSource, check_names
 
 log = logging.getLogger(__name__)
+# Makes a model's engine from its file, calling back with the model once its weights are loaded.
+EngineFactory = Callable[[str, Callable[[Model], None]], Engine]
 
 UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
 
@@ -67,11 +69,22 @@ class ServedModel:
     def resident(self) -> bool:
         return self.status in (LOADING, LOADED)
 
-    def load(self, make_engine: Callable[[str], Engine]) -> None:
+    def load(self, make_engine: EngineFactory) -> None:
         """Load the engine and what reads its vocabulary (blocking: a worker thread's)."""
         started = time.perf_counter()
-        engine = make_engine(self.source.path)
+        engine = make_engine(self.source.path, self._start_renderer)
         model = engine.model
+        self.embeddings = Embeddings(engine)
+        self.metrics.watch(engine, self.embeddings)
+        self.root = repo_id(model.metadata, self.source.argument) or self.name
+        self.names = model_names(self.name, self.root, model.path)
+        self.engine = engine
+        self.metrics.load_seconds.set(time.perf_counter() - started)
+        self.metrics.loads.inc()
+
+    def _start_renderer(self, model: Model) -> None:
+        """The chat template's renderer, from the model's vocabulary: its worker processes
+        start while the engine makes its context (on a 2-core CPU each takes about as long)."""
         # A vocabulary without BOS or EOS reports -1 for it: no text.
         piece = lambda t: (model.token_to_piece(t, True).decode("utf-8", "replace")  # noqa: E731
                            if t >= 0 else "")
@@ -84,13 +97,6 @@ class ServedModel:
             template = ChatTemplate(None, bos_token=piece(model.bos_token),
                                     eos_token=piece(model.eos_token))
         self.renderer = TemplateRenderer(template, timeout=self._template_timeout)
-        self.embeddings = Embeddings(engine)
-        self.metrics.watch(engine, self.embeddings)
-        self.root = repo_id(model.metadata, self.source.argument) or self.name
-        self.names = model_names(self.name, self.root, model.path)
-        self.engine = engine
-        self.metrics.load_seconds.set(time.perf_counter() - started)
-        self.metrics.loads.inc()
 
     def unload(self) -> None:
         """Stop the engine and drop every reference to it, so that llama.cpp frees its context
@@ -156,7 +162,7 @@ class ModelRegistry:
     """Every model of the server by name, and the policy that loads and unloads them."""
 
     def __init__(self, config: ServerConfig, sources: list[ModelSource],
-                 make_engine: Callable[[str], Engine], metrics: Metrics) -> None:
+                 make_engine: EngineFactory, metrics: Metrics) -> None:
         check_names(sources, config.pinned)
         single = len(sources) == 1
         # One model keeps the server's metrics unlabelled, as before; several have their own.

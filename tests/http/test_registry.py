@@ -22,9 +22,9 @@ class CountingLoads:
     def __init__(self) -> None:
         self.loads: dict[str, int] = {}
 
-    def __call__(self, path: str) -> Engine:
+    def __call__(self, path: str, on_model) -> Engine:
         self.loads[path] = self.loads.get(path, 0) + 1
-        return Engine(ENGINE, path)
+        return Engine(ENGINE, path, on_model)
 
 
 @pytest.fixture(scope="module")
