@@ -59,9 +59,16 @@ def _admissions(sched, steps):
     return started
 
 
-def _scheduler(max_seqs=2):
+def _scheduler(max_seqs=2, **options):
     return Scheduler(max_seqs=max_seqs, token_budget=256, kv_capacity=1 << 16, max_queue=1000,
-                     eog_tokens=frozenset({2}))
+                     eog_tokens=frozenset({2}), **options)
+
+
+def _batch_running(sched):
+    """A batch user's six long requests, admitted two steps ago: every slot is the batch's."""
+    for i in range(6):
+        sched.add(_seq(f"batch{i}", "batch", max_tokens=50))
+    _admissions(sched, 2)
 
 
 def test_a_user_with_few_requests_gets_slots_as_often_as_one_with_many():
@@ -94,9 +101,7 @@ def test_priority_comes_before_the_shares():
 
 def test_a_user_holding_no_slot_takes_one_from_the_user_holding_the_most():
     sched = _scheduler(max_seqs=3)
-    for i in range(6):
-        sched.add(_seq(f"batch{i}", "batch", max_tokens=50))
-    _admissions(sched, 2)
+    _batch_running(sched)
     sched.add(_seq("chat0", "chat", max_tokens=50))
     out = sched.schedule(2.0)
     assert [seq.sampling.user for seq in out.started] == ["chat"]
@@ -114,16 +119,9 @@ def test_no_slot_changes_hands_while_every_user_holds_at_most_one():
     assert sched.num_preemptions == 0
 
 
-def _lane_scheduler(max_seqs=3, **options):
-    return Scheduler(max_seqs=max_seqs, token_budget=256, kv_capacity=1 << 16, max_queue=1000,
-                     eog_tokens=frozenset({2}), lanes=1, **options)
-
-
 def test_a_user_holding_none_runs_in_the_lane_beside_a_batch_and_takes_nothing():
-    sched = _lane_scheduler()
-    for i in range(6):
-        sched.add(_seq(f"batch{i}", "batch", max_tokens=50))
-    _admissions(sched, 2)
+    sched = _scheduler(max_seqs=3, lanes=1)
+    _batch_running(sched)
     sched.add(_seq("chat0", "chat", max_tokens=50))
     out = sched.schedule(2.0)
     assert [seq.sampling.user for seq in out.started] == ["chat"]
@@ -132,10 +130,8 @@ def test_a_user_holding_none_runs_in_the_lane_beside_a_batch_and_takes_nothing()
 
 
 def test_the_lane_is_one_and_a_second_newcomer_takes_a_slot_from_the_batch_instead():
-    sched = _lane_scheduler()
-    for i in range(6):
-        sched.add(_seq(f"batch{i}", "batch", max_tokens=50))
-    _admissions(sched, 2)
+    sched = _scheduler(max_seqs=3, lanes=1)
+    _batch_running(sched)
     sched.add(_seq("chat0", "chat", max_tokens=50))
     sched.add(_seq("mail0", "mail", max_tokens=50))
     started = _admissions(sched, 3)
@@ -164,7 +160,7 @@ def _prompt_tokens_by_user(out):
 
 
 def test_a_newcomers_prompt_goes_before_the_batch_prompts_in_a_capped_step():
-    sched = _lane_scheduler(max_seqs=2, shared_prompt_tokens=64)
+    sched = _scheduler(max_seqs=2, lanes=1, shared_prompt_tokens=64)
     for i in range(4):
         sched.add(_seq(f"batch{i}", "batch", n_prompt=400, max_tokens=50))
     out = sched.schedule(0.0)
